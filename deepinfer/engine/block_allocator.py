@@ -1,0 +1,46 @@
+"""A free-list allocator over the fixed pool of KV-cache blocks.
+
+Ownership is exclusive: a block belongs either to one running sequence or to one radix-cache
+node, never to both, so no reference counts are needed here. Sharing between sequences goes
+through the radix cache (a sequence locks the cached nodes it reads).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from deepinfer.errors import OutOfBlocksError
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._used = [False] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n blocks; raises OutOfBlocksError (and takes none) if fewer are free."""
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
+        out = [self._free.popleft() for _ in range(n)]
+        for b in out:
+            self._used[b] = True
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the pool. Freeing a block twice is a bug and raises."""
+        for b in blocks:
+            if not self._used[b]:
+                raise RuntimeError(f"KV block {b} freed twice")
+            self._used[b] = False
+            self._free.append(b)

@@ -1,0 +1,33 @@
+"""Typed errors. Every error a user can cause names the problem and derives from DeepInferError."""
+
+
+class DeepInferError(Exception):
+    """Base class of every error DeepInfer raises on purpose."""
+
+
+class InvalidRequestError(DeepInferError, ValueError):
+    """A request (prompt or sampling parameters) is malformed; raised at submission."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus max_tokens where it matters) does not fit the model's context."""
+
+
+class ModelLoadError(DeepInferError):
+    """A model directory or file is missing, corrupt, or of an unsupported architecture."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """config.json names an architecture DeepInfer has no implementation for."""
+
+
+class GrammarError(InvalidRequestError):
+    """A regex, JSON schema or grammar is invalid or no backend can compile it."""
+
+
+class OutOfBlocksError(DeepInferError):
+    """The KV-cache block pool cannot satisfy an allocation (the scheduler preempts on this)."""
+
+
+class ProgramError(DeepInferError):
+    """An error raised inside a user's @deepinfer.function program, captured in its state."""
