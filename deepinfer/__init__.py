@@ -1,0 +1,24 @@
+"""DeepInfer: run LLM programs offline, fast and exactly."""
+
+from deepinfer.engine.outputs import RequestOutput, TokenLogprob
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.errors import (
+    DeepInferError,
+    GrammarError,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+    UnsupportedArchitectureError,
+)
+
+
+def __getattr__(name):
+    # Engine pulls in torch and the model loader: import it on first use only
+    if name == "Engine":
+        from deepinfer.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
+
+
+__version__ = "0.1.0"

@@ -33,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; n: plus top-n
     prompt_logprobs: int | None = None  # None: none; 0: each prompt token's logprob; n: plus top-n
+    prompt_logprobs_start: int = 0  # prompt positions before this need no logprobs (cache may serve them)
     skip_special_tokens: bool = True
     # constraints
     regex: str | None = None
@@ -83,6 +84,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
                 raise bad(f"{name} must be None or an int in [0, 20], got {v!r}")
+        if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
+            raise bad(f"prompt_logprobs_start must be an int >= 0, got {self.prompt_logprobs_start!r}")
         if self.choices is not None:
             if not isinstance(self.choices, (list, tuple)) or not self.choices or not all(
                 isinstance(c, str) and c for c in self.choices

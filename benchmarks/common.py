@@ -1,0 +1,73 @@
+"""Helpers shared by the benchmark scripts (prompts, timing, the HF reference model)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+TOPICS = [
+    "the history of Rome", "how vaccines work", "the water cycle", "machine learning", "the French Revolution",
+    "black holes", "photosynthesis", "the stock market", "climate change", "the human heart", "volcanoes",
+    "the internet", "ancient Egypt", "quantum computing", "the Moon landing", "honey bees",
+]
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """n short (~20-token) prompts."""
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        t = r.choice(TOPICS)
+        out.append(f"Question {i}: Please write a short paragraph that explains {t} to a curious student.")
+    return out
+
+
+def timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    r = fn(*args, **kwargs)
+    return r, time.perf_counter() - t
+
+
+def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Measured memory read bandwidth (GB/s): sum over a buffer much larger than the caches."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best / 1e9
+
+
+def hf_reference_model(model: str | None = None):
+    """A transformers Llama/Qwen model holding exactly the weights DeepInfer loads (fp32)."""
+    import transformers
+
+    from deepinfer.engine.loader import load_model
+
+    loaded = load_model(model)
+    c = loaded.config
+    kinds = {
+        "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "Qwen3ForCausalLM": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    cfg_cls, model_cls = kinds[c.architecture]
+    cfg = cfg_cls(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+    hf = model_cls(cfg).float().eval()
+    missing, unexpected = hf.load_state_dict(loaded.weights, strict=False)
+    missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"HF reference: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    return hf, loaded.tokenizer

@@ -1,0 +1,100 @@
+"""Attention over the paged KV cache (torch implementation; custom kernels plug in via the context).
+
+A step's tokens are laid out flat: first one token per decoding sequence, then each prefill chunk.
+New keys/values are written to their cache slots first; decodes then read their whole context from
+the cache in one batched gather, and each prefill chunk attends to its cached prefix plus itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int  # offset of the chunk's first token in the flat batch
+    q_len: int
+    ctx_len: int  # tokens of context after this chunk (cached prefix + chunk)
+    gather_idx: torch.Tensor | None  # [ctx_len] cache slots, None when the chunk is the whole context
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward pass needs besides token ids and positions."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    num_decode: int = 0
+    decode_gather_idx: torch.Tensor | None = None  # [Bd, Lmax] cache slots (padded with 0)
+    decode_valid: torch.Tensor | None = None  # [Bd, Lmax] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    linear: Callable = F.linear
+    attention_fn: Callable | None = None  # overrides paged_attention's math (batch-invariant mode)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    """q [T,H,D], k/v [T,Hkv,D]; caches [num_slots, Hkv, D]. Returns [T,H,D]."""
+    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    if ctx.attention_fn is not None:
+        return ctx.attention_fn(q, k, v, k_cache, v_cache, ctx, scale)
+    out = torch.empty_like(q)
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    nd = ctx.num_decode
+    if nd:
+        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, ctx.decode_gather_idx, ctx.decode_valid, scale)
+    for c in ctx.prefills:
+        qs = q[c.q_start : c.q_start + c.q_len]
+        if c.gather_idx is None:
+            ks = k[c.q_start : c.q_start + c.q_len]
+            vs = v[c.q_start : c.q_start + c.q_len]
+        else:
+            ks = k_cache.index_select(0, c.gather_idx)
+            vs = v_cache.index_select(0, c.gather_idx)
+        out[c.q_start : c.q_start + c.q_len] = prefill_attention(qs, ks, vs, scale)
+    return out
+
+
+def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
+    """Bool [q_len, ctx_len]: query i (at absolute position ctx_len - q_len + i) sees keys <= it."""
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    kpos = torch.arange(ctx_len, device=device)[None, :]
+    return kpos <= qpos
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: q [q_len,H,D] are the last q_len positions of the ctx_len keys k/v [ctx,Hkv,D]."""
+    q_len, ctx_len = q.shape[0], k.shape[0]
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = k.transpose(0, 1).unsqueeze(0)
+    vh = v.transpose(0, 1).unsqueeze(0)
+    if q_len == ctx_len:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        mask = causal_mask(q_len, ctx_len, q.device)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(q, k_cache, v_cache, gather_idx, valid, scale) -> torch.Tensor:
+    """Batched single-token attention: q [B,H,D] over each row's context gathered from the cache."""
+    B, H, D = q.shape
+    L = gather_idx.shape[1]
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
+    K = k_cache[gather_idx.reshape(-1)].view(B, L, Hkv, D).permute(0, 2, 3, 1)  # [B,Hkv,D,L]
+    V = v_cache[gather_idx.reshape(-1)].view(B, L, Hkv, D).transpose(1, 2)  # [B,Hkv,L,D]
+    qg = q.view(B, Hkv, G, D)
+    scores = torch.matmul(qg, K) * scale  # [B,Hkv,G,L]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.matmul(p, V).reshape(B, H, D)

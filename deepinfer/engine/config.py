@@ -1,0 +1,63 @@
+"""Engine configuration: every knob in one place, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from deepinfer.errors import InvalidRequestError
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the default SmolLM2-135M-Instruct
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "float32" | "bfloat16" | "float16"
+    block_size: int = 16  # tokens per KV block (the radix cache's page size)
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None -> kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.2
+    max_kv_cache_memory_cpu: int = 4 << 30  # cap on CPU, where "free memory" is all of RAM
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None -> the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded window) | "fcfs"
+    lpm_window: int = 64  # how many waiting requests lpm reorders; older ones are never starved
+    seed: int = 0  # engine-level seed: makes unseeded sampling reproducible run to run
+    batch_invariant: bool = False
+    overlap_schedule: bool = False
+    grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
+    grammar_fallback: bool = True
+    jump_forward: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
+    cache_dir: str | None = None  # where converted models are cached
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"EngineConfig: {msg}")
+
+        if self.block_size < 1:
+            raise bad(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise bad(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise bad(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise bad(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if not (0 < self.kv_cache_fraction <= 0.95):
+            raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        if self.grammar_backend not in ("xgrammar", "outlines"):
+            raise bad(f"grammar_backend must be 'xgrammar' or 'outlines', got {self.grammar_backend!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown Engine option(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)

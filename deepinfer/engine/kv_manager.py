@@ -1,0 +1,130 @@
+"""Block tables: which KV blocks hold which sequence's tokens, with radix prefix reuse.
+
+A sequence's block_table starts with the blocks it matched in the radix cache (owned by the tree,
+locked while the sequence runs) followed by blocks it owns. When it finishes or is preempted, its
+full blocks are handed to the tree (so the next request with the same prefix reuses them) and its
+partial last block is freed.
+"""
+
+from __future__ import annotations
+
+from deepinfer.engine.block_allocator import BlockAllocator
+from deepinfer.engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, allocator: BlockAllocator, radix=None):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.radix = radix  # RadixCache or None (prefix caching off)
+
+    # ---- capacity -----------------------------------------------------------------------------
+    def num_available_blocks(self) -> int:
+        """Free blocks plus blocks the radix cache could evict."""
+        extra = self.radix.evictable_blocks if self.radix is not None else 0
+        return self.allocator.num_free + extra
+
+    def _take(self, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        short = n - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        if not self.allocator.can_allocate(n):
+            return None
+        return self.allocator.allocate(n)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        need = -(-num_tokens // self.block_size)
+        return max(0, need - len(seq.block_table))
+
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        """How many leading tokens the radix cache holds (read-only: no split, no LRU touch)."""
+        if self.radix is None:
+            return 0
+        peek = getattr(self.radix, "peek_prefix_len", None)
+        if peek is not None:
+            return peek(tokens)
+        return _peek(self.radix, tokens)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the longest cached prefix to a fresh sequence; returns the tokens matched."""
+        if self.radix is None or seq.block_table:
+            return 0
+        tokens = seq.all_token_ids
+        # Leave at least one token to compute (its logits are needed), and recompute from where
+        # prompt logprobs are wanted (cached positions have no logits).
+        cap = len(tokens) - 1
+        if seq.params.prompt_logprobs is not None:
+            cap = min(cap, max(0, seq.params.prompt_logprobs_start - 1))
+        m = self.radix.match_prefix(tokens, max_tokens=cap)
+        if m.num_tokens == 0:
+            return 0
+        self.radix.lock(m.node)
+        seq.prefix_node = m.node
+        seq.block_table = list(m.blocks)
+        seq.num_tree_blocks = len(m.blocks)
+        seq.num_computed_tokens = m.num_tokens
+        return m.num_tokens
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo match_prefix for a sequence that could not be admitted after all."""
+        if seq.prefix_node is not None:
+            self.radix.unlock(seq.prefix_node)
+        seq.prefix_node = None
+        seq.block_table = []
+        seq.num_tree_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def allocate_for(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make the block table cover the first num_tokens tokens; False (nothing taken) if out of blocks."""
+        need = self.blocks_needed(seq, num_tokens)
+        blocks = self._take(need)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    # ---- release ------------------------------------------------------------------------------
+    def release(self, seq: Sequence) -> None:
+        """Give back a finished or preempted sequence's blocks, caching its computed full pages."""
+        bt = seq.block_table
+        own_start = seq.num_tree_blocks
+        if self.radix is not None and self.radix.enabled:
+            n_full = min(seq.num_computed_tokens // self.block_size, len(bt))
+            tokens = seq.all_token_ids[: n_full * self.block_size]
+            if n_full > 0:
+                self.radix.insert(tokens, bt[:n_full])
+            leftover = bt[max(n_full, own_start) :]
+        else:
+            leftover = bt[own_start:]
+        if leftover:
+            self.allocator.free(leftover)
+        if seq.prefix_node is not None:
+            self.radix.unlock(seq.prefix_node)
+        seq.prefix_node = None
+        seq.block_table = []
+        seq.num_tree_blocks = 0
+
+    def slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def _peek(radix, tokens: list[int]) -> int:
+    """Read-only longest cached prefix (whole pages) of tokens."""
+    if not radix.enabled:
+        return 0
+    p = radix.page_size
+    limit = len(tokens) - len(tokens) % p
+    node, pos = radix.root, 0
+    while pos < limit:
+        child = node.children.get(radix._page_key(tokens, pos))
+        if child is None:
+            break
+        pages = radix._common_pages(child.key, tokens[:limit], pos)
+        pos += pages * p
+        if pages * p < len(child.key):
+            break
+        node = child
+    return pos

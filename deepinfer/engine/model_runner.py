@@ -1,0 +1,147 @@
+"""Owns the model weights and the KV-cache tensors; turns a scheduled batch into logits."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.attention import ForwardContext, PrefillChunk
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.models.registry import build_model
+from deepinfer.engine.scheduler import ScheduledSeq
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor  # [R, V] fp32 for the requested rows
+    sample_rows: list[int]  # for each scheduled seq that completes: its row in `logits`, else -1
+    prompt_rows: list[tuple[int, int] | None]  # per scheduled seq: (first row, count) of prompt-logprob rows
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.model = build_model(model_config)
+        self.model.load_weights(weights, dtype, device)
+        self.model.eval()
+        self.block_size = config.block_size
+        mc = model_config
+        self.bytes_per_block = mc.num_hidden_layers * 2 * config.block_size * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
+        self.num_blocks = self._num_blocks()
+        slots = self.num_blocks * self.block_size
+        self.kv_cache = torch.zeros(
+            mc.num_hidden_layers, 2, slots, mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=device
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_hidden_layers)]
+        self.linear = torch.nn.functional.linear
+        self.attention_fn = None
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        else:
+            budget = int(available_memory(self.device) * cfg.kv_cache_fraction)
+            if self.device.type == "cpu":
+                budget = min(budget, cfg.max_kv_cache_memory_cpu)
+        n = budget // self.bytes_per_block
+        if n < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
+        return int(n)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq], want_prompt_logprobs: list[bool]) -> ForwardResult:
+        """One forward pass. `scheduled` must list decodes (1 token) before multi-token chunks."""
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos_starts: list[int] = []
+        lens: list[int] = []
+        decodes = [s for s in scheduled if s.num_tokens == 1 and s.seq.num_computed_tokens > 0]
+        chunks = [s for s in scheduled if not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0)]
+        assert scheduled == decodes + chunks, "scheduled batch must put decodes first"
+        for s in scheduled:
+            nc = s.seq.num_computed_tokens
+            ids.extend(s.seq.all_token_ids[nc : nc + s.num_tokens])
+            pos_starts.append(nc)
+            lens.append(s.num_tokens)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        bt = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
+        for i, s in enumerate(scheduled):
+            bt[i, : len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        starts_t = torch.tensor(pos_starts, dtype=torch.long)
+        row_seq = torch.repeat_interleave(torch.arange(len(scheduled)), lens_t)
+        offs = torch.arange(len(ids)) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
+        positions = starts_t[row_seq] + offs
+        slot_mapping = bt[row_seq, positions // bs] * bs + positions % bs
+
+        ctx = ForwardContext(slot_mapping=slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn)
+        nd = len(decodes)
+        if nd:
+            ctx_lens = starts_t[:nd] + 1
+            L = int(ctx_lens.max())
+            p = torch.arange(L)
+            bt_d = bt[:nd]
+            gather = bt_d.gather(1, (p // bs).expand(nd, L).clamp(max=max_blocks - 1)) * bs + p % bs
+            valid = p[None, :] < ctx_lens[:, None]
+            ctx.num_decode = nd
+            ctx.decode_gather_idx = torch.where(valid, gather, 0).to(dev)
+            ctx.decode_valid = valid.to(dev)
+        q_start = nd
+        for i in range(nd, len(scheduled)):
+            nc, n = pos_starts[i], lens[i]
+            gidx = None
+            if nc > 0:
+                p = torch.arange(nc + n)
+                gidx = (bt[i, p // bs] * bs + p % bs).to(dev)
+            ctx.prefills.append(PrefillChunk(q_start, n, nc + n, gidx))
+            q_start += n
+
+        hidden = self.model(input_ids.to(dev), positions.to(dev), ctx, self.kv_caches)
+
+        # rows whose logits are needed: the last row of every completing seq, all rows for prompt logprobs
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int] | None] = []
+        start = 0
+        for s, want in zip(scheduled, want_prompt_logprobs):
+            if want:
+                prompt_rows.append((len(rows), s.num_tokens))
+                rows.extend(range(start, start + s.num_tokens))
+                sample_rows.append(len(rows) - 1 if s.completes else -1)
+            else:
+                prompt_rows.append(None)
+                if s.completes:
+                    sample_rows.append(len(rows))
+                    rows.append(start + s.num_tokens - 1)
+                else:
+                    sample_rows.append(-1)
+            start += s.num_tokens
+        if rows:
+            sel = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
+            logits = self.model.compute_logits(sel, ctx)
+        else:
+            logits = torch.empty(0, self.model_config.vocab_size, device=dev)
+        return ForwardResult(logits, sample_rows, prompt_rows)

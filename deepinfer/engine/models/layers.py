@@ -1,0 +1,220 @@
+"""Layers shared by every decoder architecture: RMSNorm, rotary embedding, gated MLP, GQA attention.
+
+Weights are plain fp32 (CPU) or bf16 (CUDA) tensors loaded from HF-named state dicts; projections that
+read the same input are fused (q|k|v, gate|up) so one matmul replaces three or two.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.engine.attention import ForwardContext, paged_attention
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.errors import ModelLoadError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add fused with the norm: returns (norm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies, with HF's rope-scaling variants (linear, llama3, yarn's frequency blend)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv.float()
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv.float()
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / factor).float()
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style rotate-half rotary embedding with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, H, D], k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_weight = nn.Parameter(torch.empty(qkv_out, cfg.hidden_size), requires_grad=False)
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_out), requires_grad=False) if cfg.attention_bias else None
+        self.o_weight = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size), requires_grad=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, positions, x, meta: ForwardContext, kv_cache) -> torch.Tensor:
+        qkv = meta.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = x.shape[0]
+        q = q.reshape(T, self.n_heads, self.head_dim)
+        k = k.reshape(T, self.n_kv, self.head_dim)
+        v = v.reshape(T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return meta.linear(o.reshape(T, self.q_size), self.o_weight, None)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * self.inter, cfg.hidden_size), requires_grad=False)
+        self.down_weight = nn.Parameter(torch.empty(cfg.hidden_size, self.inter), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
+        gu = meta.linear(x, self.gate_up_weight, None)
+        g, u = gu.split([self.inter, self.inter], dim=-1)
+        return meta.linear(F.silu(g) * u, self.down_weight, None)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, positions, x, residual, meta, kv_cache):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(positions, h, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h, meta), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """A pre-norm decoder-only transformer; architecture files subclass it and set their quirks."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        max_pos = max(cfg.max_position_embeddings, 1)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        )
+
+    def forward(self, input_ids, positions, meta: ForwardContext, kv_caches) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, meta, kv)
+        x, _ = self.norm.add_forward(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return meta.linear(hidden, w, None).float()
+
+    # ---- weight loading -------------------------------------------------------------------------
+    def load_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        """Copy HF-named tensors in, fusing q|k|v and gate|up; raises ModelLoadError on a missing/misshapen one."""
+        cfg = self.config
+
+        def take(name: str) -> torch.Tensor:
+            t = weights.get(name)
+            if t is None:
+                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+            return t
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
+                )
+            param.data = value.to(device=device, dtype=dtype).contiguous()
+
+        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        if self.lm_head is not None:
+            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
+            put(a.qkv_weight, qkv, p + "self_attn.qkv_proj.weight")
+            if a.qkv_bias is not None:
+                put(a.qkv_bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0), p + "qkv bias")
+            put(a.o_weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if a.q_norm is not None:
+                put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+            gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+            put(layer.mlp.gate_up_weight, gu, p + "mlp.gate_up_proj.weight")
+            put(layer.mlp.down_weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(
+                layer.post_attention_layernorm.weight,
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight",
+            )
+        self.rotary.to(device)

@@ -1,0 +1,141 @@
+"""Continuous batching: decide which tokens of which sequences the next forward pass computes.
+
+Each step has a token budget. Running sequences go first (one token each when decoding, or their
+next prefill chunk / jump-forward tokens), then waiting sequences are admitted with a chunk of
+their prompt while budget, sequence slots and KV blocks last. When blocks run out for a running
+sequence, the latest-arrived running sequence is preempted (its KV is dropped and recomputed later;
+its computed pages stay in the radix cache, so the recompute is often a cache hit).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token of the sequence has KV, so its next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted) and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.release(seq)
+
+    # -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+
+        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        self.running.sort(key=lambda s: s.arrival)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = remaining if remaining == 1 else self._chunk(remaining, budget)
+            if n == 0:
+                break
+            while not self.kv.allocate_for(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the newest, nothing after it is left
+
+        # 2. admit waiting sequences
+        if not out.preempted:
+            self._order_waiting()
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[0]
+                first_admission = seq.num_preemptions == 0 and not seq.output_token_ids
+                matched = self.kv.match_prefix(seq)
+                remaining = seq.num_tokens - seq.num_computed_tokens
+                n = self._chunk(remaining, budget, allow_over=not out.scheduled)
+                if n == 0 or not self.kv.allocate_for(seq, seq.num_computed_tokens + n):
+                    self.kv.unmatch(seq)
+                    break
+                if first_admission:
+                    seq.num_cached_tokens = matched
+                self.waiting.popleft()
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return out
+
+    def _chunk(self, remaining: int, budget: int, allow_over: bool = False) -> int:
+        if remaining <= budget:
+            return remaining
+        if self.config.enable_chunked_prefill:
+            return budget
+        return remaining if allow_over else 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _order_waiting(self) -> None:
+        """Longest-cached-prefix first within a bounded window at the head of the queue (lpm)."""
+        if self.config.schedule_policy != "lpm" or self.kv.radix is None or len(self.waiting) < 2:
+            return
+        w = min(self.config.lpm_window, len(self.waiting))
+        head = [self.waiting.popleft() for _ in range(w)]
+        # preempted sequences keep priority; others by cached prefix length, stable by arrival
+        head.sort(key=lambda s: (s.num_preemptions == 0, -self.kv.cached_prefix_len(s.all_token_ids), s.arrival))
+        self.waiting.extendleft(reversed(head))

@@ -1,0 +1,61 @@
+"""The engine's per-request state: tokens, KV blocks, progress, and what to report back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.engine.outputs import TokenLogprob
+from deepinfer.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # submission order; preemption victims are the latest arrivals
+    rng_seed: int  # seed of this request's sampling draws (its own or derived from the engine seed)
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    prefix_node: Any = None  # radix node locked by this sequence
+    num_tree_blocks: int = 0  # leading blocks of block_table owned by the radix tree (not by us)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    matcher: Any = None  # grammar matcher (deepinfer.grammar), None when unconstrained
+    grammar_backend: str | None = None
+    detok: Any = None  # IncrementalDetokenizer
+    text: str = ""
+    reported_tokens: int = 0  # output tokens already handed to the caller
+    reported_text: int = 0  # chars of text already handed to the caller
+    forced_tokens: list[int] = field(default_factory=list)  # jump-forward tokens to feed before sampling
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
