@@ -180,6 +180,53 @@ class Engine:
         seq.matcher = compiled.new_matcher()
         seq.grammar_backend = backend
 
+    def fork(self, request_id: str, n: int, params: SamplingParams | list[SamplingParams] | None = None) -> list[str]:
+        """Start n child requests that continue from a running request's tokens so far.
+
+        Children share the parent's KV: its full pages through the radix cache, its partially
+        filled last page copied into a block of each child's own; nothing is prefilled again.
+        Each child's prompt is the parent's prompt plus its output so far; `params` (one, or one per
+        child; default: the parent's) apply from there on, with a fresh grammar if constrained.
+        A parent that is not yet decoding (still waiting or prefilling) is forked by plain copies
+        that share KV through the radix cache once the parent's prefix is cached.
+        """
+        parent = self._seqs.get(request_id)
+        if parent is None or parent.is_finished:
+            raise InvalidRequestError(f"cannot fork {request_id!r}: no such running request")
+        if not isinstance(n, int) or n < 1:
+            raise InvalidRequestError(f"fork needs n >= 1, got {n!r}")
+        plist = params if isinstance(params, list) else [params or parent.params] * n
+        if len(plist) != n:
+            raise InvalidRequestError(f"fork got {len(plist)} SamplingParams for {n} children")
+        tokens = parent.all_token_ids
+        decoding = parent.status == SeqStatus.RUNNING and parent.num_computed_tokens == len(tokens) - 1
+        if not decoding:
+            return [self.add_request(tokens, p) for p in plist]
+        children = []
+        for p in plist:
+            arrival = next(self._arrival)
+            seed = p.seed if p.seed is not None else rng.hash32(self.config.seed ^ rng.hash32(arrival))
+            child = Sequence(f"{request_id}.fork-{arrival}", list(tokens), p, arrival, seed)
+            if p.constrained:
+                self._attach_grammar(child)
+            from deepinfer.engine.tokenizer import IncrementalDetokenizer
+
+            child.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
+            child.logprobs = [] if p.logprobs is not None else None
+            child.prompt_logprobs = [None] * len(tokens) if p.prompt_logprobs is not None else None
+            children.append(child)
+        if not self.kv.fork(parent, children, self.runner.copy_kv_tokens):
+            # no blocks for the copied partial pages right now: fall back to plain requests
+            return [self.add_request(tokens, p) for p in plist]
+        for child in children:
+            child.status = SeqStatus.RUNNING
+            child.num_cached_tokens = child.num_computed_tokens
+            child.counted = True  # forked KV is shared, not a prompt-cache hit
+            self._seqs[child.request_id] = child
+            self.scheduler.running.append(child)
+            self.stats.num_requests += 1
+        return [c.request_id for c in children]
+
     def abort(self, request_id: str) -> bool:
         """Stop a request; its blocks are freed and its final output reports finish_reason='abort'."""
         seq = self._seqs.get(request_id)
@@ -204,6 +251,10 @@ class Engine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
+        for s in sched.scheduled:
+            if not s.seq.counted:
+                s.seq.counted = True
+                self.stats.cached_prompt_tokens += s.seq.num_cached_tokens
         t1 = time.perf_counter()
         self.stats.schedule_time += t1 - t0
         if sched.empty:
@@ -239,6 +290,8 @@ class Engine:
         sampling = [(s, row) for s, row in zip(scheduled, result.sample_rows) if row >= 0]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_tokens
+            if s.num_tokens > 1:
+                self.kv.cache_computed(s.seq)  # share a fresh prefill with requests admitted next
         to_sample = [(s, row) for s, row in sampling if s.seq.params.max_tokens > 0 and not s.seq.is_finished]
         tokens: list[int] = []
         lps: list[TokenLogprob | None] = []
@@ -365,22 +418,22 @@ class Engine:
         return True
 
     def _jump_forward(self, seq: Sequence) -> None:
-        from deepinfer.grammar import jump_forward_tokens
+        """Append the grammar's forced continuation (if any) without decode steps of its own."""
+        from deepinfer.grammar import jump_forward
 
-        forced = jump_forward_tokens(seq.matcher, self.tokenizer.hf)
-        if not forced:
-            return
         p = seq.params
-        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        ids = forced[: max(0, room - 1)]  # leave room for at least one sampled token
-        if not ids:
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        forced = seq.matcher.find_jump_forward_string()
+        # each token is at least one byte: only jump when the whole string surely fits
+        if not forced or len(forced.encode("utf-8")) > room:
             return
-        for tok in ids:
+        jf = jump_forward(seq.matcher, self.tokenizer.hf, self._grammar.token_bytes)
+        for tok in jf.token_ids:
             seq.output_token_ids.append(tok)
             if seq.logprobs is not None:
-                seq.logprobs.append(TokenLogprob(tok, 0.0, []))  # forced: probability 1 under the grammar
+                seq.logprobs.append(TokenLogprob(tok, 0.0, []))  # forced by the grammar
             seq.text += seq.detok.add(tok)
-        self.stats.jump_forward_tokens += len(ids)
+        self.stats.jump_forward_tokens += len(jf.token_ids)
         if seq.matcher.is_terminated():
             self._finish(seq, "stop")
 

@@ -107,6 +107,62 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_tree_blocks = 0
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Put a live sequence's computed full pages into the radix cache now (locked by it), so
+        requests admitted after its prefill can reuse them before it finishes."""
+        if self.radix is None or not self.radix.enabled:
+            return
+        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if n_full <= seq.num_tree_blocks:
+            return
+        cs = self.radix.cache_sequence(seq.all_token_ids[: n_full * self.block_size], seq.block_table[:n_full])
+        seq.block_table[:n_full] = cs.blocks
+        old = seq.prefix_node
+        seq.prefix_node = cs.node
+        seq.num_tree_blocks = n_full
+        if old is not None:
+            self.radix.unlock(old)
+
+    # ---- fork ---------------------------------------------------------------------------------
+    def fork(self, parent: Sequence, children: list[Sequence], copy_tokens) -> bool:
+        """Let children share the parent's computed KV: full pages through the radix cache (locked),
+        the partially filled last page copied into a block of each child's own (copy on write).
+
+        copy_tokens(src_block, dst_block, n) copies the first n token slots of a block. Returns
+        False (and changes nothing) if the blocks for the partial pages cannot be had.
+        """
+        bs = self.block_size
+        nc = parent.num_computed_tokens
+        n_full, partial = divmod(nc, bs)
+        if self.radix is None or not self.radix.enabled:
+            # no tree to share through: every child copies everything
+            need = -(-nc // bs)
+            taken = self._take(need * len(children))
+            if taken is None:
+                return False
+            for i, child in enumerate(children):
+                own = taken[i * need : (i + 1) * need]
+                for j, b in enumerate(own):
+                    copy_tokens(parent.block_table[j], b, min(bs, nc - j * bs))
+                child.block_table = own
+                child.num_computed_tokens = nc
+            return True
+        extra = self._take(len(children) if partial else 0)
+        if extra is None:
+            return False
+        self.cache_computed(parent)
+        for i, child in enumerate(children):
+            child.block_table = list(parent.block_table[:n_full])
+            child.num_tree_blocks = n_full
+            if n_full:
+                self.radix.lock(parent.prefix_node)
+                child.prefix_node = parent.prefix_node
+            if partial:
+                copy_tokens(parent.block_table[n_full], extra[i], partial)
+                child.block_table.append(extra[i])
+            child.num_computed_tokens = nc
+        return True
+
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 

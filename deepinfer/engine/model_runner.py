@@ -69,6 +69,11 @@ class ModelRunner:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
         return int(n)
 
+    def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
+        """Copy the first n token slots of one KV block to another, in every layer (fork)."""
+        bs = self.block_size
+        self.kv_cache[:, :, dst_block * bs : dst_block * bs + n] = self.kv_cache[:, :, src_block * bs : src_block * bs + n]
+
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], want_prompt_logprobs: list[bool]) -> ForwardResult:
         """One forward pass. `scheduled` must list decodes (1 token) before multi-token chunks."""

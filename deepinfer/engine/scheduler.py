@@ -96,10 +96,21 @@ class Scheduler:
         # 2. admit waiting sequences
         if not out.preempted:
             self._order_waiting()
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                seq = self.waiting[0]
+            admitted: list[Sequence] = []
+            idx = deferred = 0
+            while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[idx]
                 first_admission = seq.num_preemptions == 0 and not seq.output_token_ids
                 matched = self.kv.match_prefix(seq)
+                if self._would_recompute_shared_prefix(seq, matched, admitted):
+                    # a request admitted this step is computing the same prefix: wait one step and
+                    # read it from the cache instead of computing it twice
+                    self.kv.unmatch(seq)
+                    idx += 1
+                    deferred += 1
+                    if deferred >= self.config.lpm_window:
+                        break
+                    continue
                 remaining = seq.num_tokens - seq.num_computed_tokens
                 n = self._chunk(remaining, budget, allow_over=not out.scheduled)
                 if n == 0 or not self.kv.allocate_for(seq, seq.num_computed_tokens + n):
@@ -107,12 +118,25 @@ class Scheduler:
                     break
                 if first_admission:
                     seq.num_cached_tokens = matched
-                self.waiting.popleft()
+                del self.waiting[idx]
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                admitted.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         return out
+
+    def _would_recompute_shared_prefix(self, seq: Sequence, matched: int, admitted: list[Sequence]) -> bool:
+        if self.kv.radix is None or not admitted:
+            return False
+        need = matched + max(self.kv.block_size, 16)
+        tokens = seq.all_token_ids
+        if len(tokens) <= need:
+            return False
+        for other in admitted[-8:]:
+            if common_prefix_len(tokens, other.all_token_ids) >= need:
+                return True
+        return False
 
     def _chunk(self, remaining: int, budget: int, allow_over: bool = False) -> int:
         if remaining <= budget:
@@ -139,3 +163,15 @@ class Scheduler:
         # preempted sequences keep priority; others by cached prefix length, stable by arrival
         head.sort(key=lambda s: (s.num_preemptions == 0, -self.kv.cached_prefix_len(s.all_token_ids), s.arrival))
         self.waiting.extendleft(reversed(head))
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (binary search over C-speed slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -43,6 +43,7 @@ class Sequence:
     reported_text: int = 0  # chars of text already handed to the caller
     forced_tokens: list[int] = field(default_factory=list)  # jump-forward tokens to feed before sampling
     num_preemptions: int = 0
+    counted: bool = False  # its cache hit is in the engine stats
 
     @property
     def all_token_ids(self) -> list[int]:
