@@ -22,3 +22,24 @@ def __getattr__(name):
 
 
 __version__ = "0.1.0"
+
+# the program DSL (deepinfer.lang): importing it does not import torch
+from deepinfer.lang import (  # noqa: E402
+    ProgramState,
+    assistant,
+    assistant_begin,
+    assistant_end,
+    function,
+    gen,
+    greedy_token_selection,
+    select,
+    set_default_backend,
+    system,
+    system_begin,
+    system_end,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+    user,
+    user_begin,
+    user_end,
+)

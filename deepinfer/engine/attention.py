@@ -98,3 +98,30 @@ def decode_attention(q, k_cache, v_cache, gather_idx, valid, scale) -> torch.Ten
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
     return torch.matmul(p, V).reshape(B, H, D)
+
+
+def paged_attention_batch_invariant(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    """paged_attention's math through deepinfer.engine.batch_invariant: a query's output depends only
+    on its own values and the keys it sees (fixed split size over the KV length), bitwise, so
+    decode, prefill, chunked prefill and cached-prefix paths agree and batch composition is irrelevant.
+    (K/V were already written to the cache by paged_attention.)"""
+    from deepinfer.engine.batch_invariant import bi_attention, bi_attention_decode
+
+    out = torch.empty_like(q)
+    nd = ctx.num_decode
+    if nd:
+        B, L = ctx.decode_gather_idx.shape
+        Hkv, D = k_cache.shape[1], k_cache.shape[2]
+        K = k_cache[ctx.decode_gather_idx.reshape(-1)].view(B, L, Hkv, D)
+        V = v_cache[ctx.decode_gather_idx.reshape(-1)].view(B, L, Hkv, D)
+        out[:nd] = bi_attention_decode(q[:nd], K, V, ctx.decode_valid.sum(1), scale=scale)
+    for c in ctx.prefills:
+        qs = q[c.q_start : c.q_start + c.q_len]
+        if c.gather_idx is None:
+            ks = k[c.q_start : c.q_start + c.q_len]
+            vs = v[c.q_start : c.q_start + c.q_len]
+        else:
+            ks = k_cache.index_select(0, c.gather_idx)
+            vs = v_cache.index_select(0, c.gather_idx)
+        out[c.q_start : c.q_start + c.q_len] = bi_attention(qs, ks, vs, scale=scale, causal_offset=c.ctx_len - c.q_len)
+    return out

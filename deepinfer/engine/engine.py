@@ -442,6 +442,8 @@ class Engine:
             return
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        if reason == "length" and seq.detok is not None:
+            seq.text += seq.detok.flush()  # bytes held back for an unfinished UTF-8 sequence
         seq.status = SeqStatus.FINISHED
         self.scheduler.remove(seq)
         self.stats.num_finished += 1
@@ -528,10 +530,17 @@ class Engine:
         return [results[o] if isinstance(o, str) else o for o in order]
 
     def _enable_batch_invariant(self) -> None:
+        """Swap every op whose reduction order could depend on the batch for an invariant one."""
         from deepinfer.engine import batch_invariant as bi
+        from deepinfer.engine.attention import paged_attention_batch_invariant
 
-        self.runner.linear = bi.bi_linear
-        self.runner.attention_fn = bi.paged_attention_bi
+        def linear(x, w, b=None):
+            y = bi.bi_matmul(x, w)
+            return y + b if b is not None else y
+
+        self.runner.linear = linear
+        self.runner.attention_fn = paged_attention_batch_invariant
+        self.runner.model.set_norm_impl(bi.bi_rmsnorm)
 
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

@@ -53,8 +53,8 @@ class ModelConfig:
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
                 head_dim=int(cfg.get("head_dim") or hidden // n_heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                rope_scaling=cfg.get("rope_scaling"),
+                rope_theta=_rope_theta(cfg),
+                rope_scaling=_rope_scaling(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
@@ -64,3 +64,27 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json is missing or has a bad field: {e}") from e
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    """rope_theta: top-level (transformers < 5) or inside `rope_parameters` (transformers 5 writes that)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """RoPE scaling dict with a `rope_type` key, or None for plain RoPE.
+
+    Old configs have `rope_scaling` ({"type"|"rope_type": ..., "factor": ...}); transformers 5 folds it
+    into `rope_parameters` together with rope_theta and writes rope_type "default" when unscaled.
+    """
+    src = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not src:
+        return None
+    scaling = {k: v for k, v in src.items() if k != "rope_theta"}
+    rope_type = scaling.pop("type", None) or scaling.get("rope_type")
+    if rope_type in (None, "default"):
+        return None
+    scaling["rope_type"] = rope_type
+    return scaling

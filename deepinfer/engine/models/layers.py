@@ -18,14 +18,19 @@ from deepinfer.engine.model_config import ModelConfig
 from deepinfer.errors import ModelLoadError
 
 
+def _torch_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.impl = _torch_rmsnorm  # swapped for the batch-invariant version in that mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.impl(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add fused with the norm: returns (norm(x + residual), x + residual)."""
@@ -170,6 +175,12 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, meta, kv)
         x, _ = self.norm.add_forward(x, residual)
         return x
+
+    def set_norm_impl(self, fn) -> None:
+        """Use fn(x, weight, eps) for every RMSNorm (e.g. the batch-invariant one)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.impl = fn
 
     def compute_logits(self, hidden: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         w = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,0 +1,83 @@
+"""Loading an HF model directory: config.json, model.safetensors (single or sharded), tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.errors import ModelLoadError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Parse a JSON object file, with a ModelLoadError naming `what` and the path on any problem."""
+    if not path.is_file():
+        raise ModelLoadError(f"no {what} at {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {what} {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    """ModelConfig of an HF directory's config.json."""
+    cfg = read_json(model_dir / "config.json", "config.json")
+    try:
+        return ModelConfig.from_hf_config(cfg)
+    except ModelLoadError as e:
+        raise type(e)(f"{model_dir / 'config.json'}: {e}") from e
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ModelLoadError(f"missing weights file {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # truncated or garbled file
+        raise ModelLoadError(f"corrupt or unreadable safetensors file {path}: {e}") from e
+
+
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's safetensors checkpoint, converted to fp32."""
+    single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
+    if single.is_file():
+        tensors = _load_safetensors(single)
+    elif index.is_file():
+        weight_map = read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no 'weight_map'")
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(_load_safetensors(model_dir / shard))
+        absent = sorted(n for n in weight_map if n not in tensors)
+        if absent:
+            raise ModelLoadError(f"{index} lists tensors its shards lack: {absent[:5]}")
+    else:
+        raise ModelLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} (only safetensors checkpoints load)")
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise ModelLoadError(f"{model_dir}: tensor {name} has dtype {t.dtype}; quantised HF checkpoints are not supported")
+        if t.dtype != torch.float32:
+            tensors[name] = t.float()  # compute is fp32 on CPU: bf16 matmul is far slower there
+    return tensors
+
+
+def load_hf_dir(model_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """(config, fp32 weights, tokenizer) of an HF model directory; weights are not yet checked."""
+    config = read_config(model_dir)
+    weights = read_weights(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return config, weights, tokenizer

