@@ -90,7 +90,9 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, scheme: str | None = None) -> to
         yt = x2.new_empty((mp // COL_TILE, n, COL_TILE))
         for i in range(mp // COL_TILE):
             torch.mm(w, xp[i * COL_TILE : (i + 1) * COL_TILE].t(), out=yt[i])
-        y = yt.transpose(1, 2).reshape(mp, n)[:m]
+        # contiguous: with one tile the reshape is a column-major view, and elementwise ops on a
+        # column-major tensor vectorise along the batch, so their bits would depend on M
+        y = yt.transpose(1, 2).reshape(mp, n)[:m].contiguous()
     elif scheme == "tpad16":
         xp = _pad_rows(x2, max(COL_TILE, _round_up(m, COL_TILE)))
         y = torch.mm(w, xp.t()).t()[:m].contiguous()

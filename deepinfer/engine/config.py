@@ -26,7 +26,7 @@ class EngineConfig:
     lpm_window: int = 64  # how many waiting requests lpm reorders; older ones are never starved
     seed: int = 0  # engine-level seed: makes unseeded sampling reproducible run to run
     batch_invariant: bool = False
-    overlap_schedule: bool = False
+    overlap_schedule: bool = True  # plan step N+1 on this thread while step N runs in a worker
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
     grammar_fallback: bool = True
     jump_forward: bool = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence as Seq
 
 import torch
@@ -46,6 +47,24 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in table:
         raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     return table[name]
+
+
+@dataclass
+class _Step:
+    """One launched forward pass: its batch, where its samples go, and its result."""
+
+    id: int
+    scheduled: list[ScheduledSeq]
+    starts: list[int]  # num_computed_tokens of each entry at launch
+    completes: list[bool]
+    want_plp: list[bool]
+    sample_pos: list[int] = field(default_factory=list)  # position of the token drawn (-1: none)
+    ph_index: list[int] = field(default_factory=list)  # index of its placeholder in the outputs
+    slot: list[int] = field(default_factory=list)  # index in this step's sampled-token tensor
+    num_slots: int = 0
+    seqs: set = field(default_factory=set)  # ids of the sequences in this batch
+    future: Any = None
+    result: Any = None
 
 
 class Engine:
@@ -89,6 +108,17 @@ class Engine:
         self._arrival = itertools.count()
         self._grammar = None
         self._aborted: list[Sequence] = []  # finished by abort(), reported by the next step()
+        self._pending_outputs: list[RequestOutput] = []
+        self._inflight: _Step | None = None  # the forward pass running in the worker (overlap mode)
+        self._next = None  # the step planned while it runs
+        self._deferred: list[Sequence] = []  # finished while in flight: release after the forward
+        self._step_ids = itertools.count()
+        self._executor = None
+        if cfg.overlap_schedule:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # torch releases the GIL inside ops, so the forward runs while this thread plans/post-processes
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-forward")
         # token ids that end generation: the tokenizer's EOS set plus the model config's
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.vocab_size = self.model_config.vocab_size
@@ -190,6 +220,7 @@ class Engine:
         A parent that is not yet decoding (still waiting or prefilling) is forked by plain copies
         that share KV through the radix cache once the parent's prefix is cached.
         """
+        self._drain()  # the parent's token in flight must be known before children copy its tokens
         parent = self._seqs.get(request_id)
         if parent is None or parent.is_finished:
             raise InvalidRequestError(f"cannot fork {request_id!r}: no such running request")
@@ -237,101 +268,232 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._aborted)
+            or bool(self._pending_outputs)
+            or self._inflight is not None
+        )
 
     # ---- the step loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling round and forward pass; returns an output for every request that progressed."""
-        outputs: list[RequestOutput] = []
+        """Run one scheduling round and forward pass; returns an output for every request that progressed.
+
+        With overlap_schedule (see EngineConfig) the forward pass of step N+1 runs in a worker while
+        this call post-processes step N and schedules step N+2; outputs are the same either way.
+        """
+        outputs = self._pending_outputs
+        self._pending_outputs = []
         if self._aborted:
             outputs.extend(self._make_output(s) for s in self._aborted)
             for s in self._aborted:
                 self._seqs.pop(s.request_id, None)
             self._aborted = []
+        if not self.config.overlap_schedule:
+            sched = self._schedule(allow_preempt=True)
+            if sched is None or sched.empty:
+                return outputs + self._nothing_to_run()
+            st = self._launch(sched, None, run_async=False)
+            toks, lps = self._sample(st)
+            return outputs + self._postprocess(st, toks, lps)
+
+        done = toks = lps = None
+        if self._inflight is not None:
+            done = self._inflight
+            self._inflight = None
+            self._wait(done)
+            toks, lps = self._sample(done)
+        if self._next is None:
+            # nothing planned during the last forward (first step, or it needed a preemption)
+            if done is not None:
+                outputs += self._postprocess(done, toks, lps)
+                done = None
+            sched = self._schedule(allow_preempt=True)
+            if sched is None or sched.empty:
+                return outputs + self._nothing_to_run()
+            self._next = sched
+        nxt, self._next = self._next, None
+        nxt.scheduled = [s for s in nxt.scheduled if not s.seq.is_finished]
+        if nxt.scheduled:
+            prev = toks if done is not None and toks is not None and toks.numel() else None
+            self._inflight = self._launch(nxt, prev, run_async=True)
+        if done is not None:
+            outputs += self._postprocess(done, toks, lps)
+        if self._inflight is not None:
+            # plan step N+1 while step N runs; a plan that would need a preemption is left for later
+            nxt = self._schedule(allow_preempt=False)
+            self._next = nxt if nxt is not None and not nxt.empty else None
+        return outputs
+
+    def _drain(self) -> None:
+        """Finish the forward pass in flight (if any) now; its outputs go out with the next step()."""
+        if self._inflight is None:
+            return
+        st, self._inflight = self._inflight, None
+        self._wait(st)
+        toks, lps = self._sample(st)
+        self._pending_outputs += self._postprocess(st, toks, lps)
+
+    def _nothing_to_run(self) -> list[RequestOutput]:
+        if self.scheduler.waiting and not self.scheduler.running and self._inflight is None:
+            # nothing can ever run: fail the head request rather than spin forever
+            seq = self.scheduler.waiting[0]
+            seq.error = "request cannot be scheduled: not enough KV cache blocks"
+            self._finish(seq, "error")
+            self._seqs.pop(seq.request_id, None)
+            return [self._make_output(seq)]
+        return []
+
+    def _schedule(self, allow_preempt: bool):
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        self.stats.num_preemptions += len(sched.preempted)
-        for s in sched.scheduled:
-            if not s.seq.counted:
-                s.seq.counted = True
-                self.stats.cached_prompt_tokens += s.seq.num_cached_tokens
-        t1 = time.perf_counter()
-        self.stats.schedule_time += t1 - t0
-        if sched.empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # nothing can ever run: fail the head request rather than spin forever
-                seq = self.scheduler.waiting[0]
-                seq.error = "request cannot be scheduled: not enough KV cache blocks"
-                self._finish(seq, "error")
-                outputs.append(self._make_output(seq))
-                self._seqs.pop(seq.request_id, None)
-            return outputs
-        # decodes first, as the model runner expects
+        sched = self.scheduler.schedule(allow_preempt=allow_preempt)
+        if sched is not None:
+            self.stats.num_preemptions += len(sched.preempted)
+            for s in sched.scheduled:
+                if not s.seq.counted:
+                    s.seq.counted = True
+                    self.stats.cached_prompt_tokens += s.seq.num_cached_tokens
+        self.stats.schedule_time += time.perf_counter() - t0
+        return sched
+
+    def _launch(self, sched, prev_tokens: torch.Tensor | None, run_async: bool) -> "_Step":
+        """Lay out a scheduled batch, advance the sequences' bookkeeping and start its forward pass.
+
+        Every sequence that will sample gets a placeholder token now (-(slot + 1)), so the next step
+        can be planned before this one's tokens are known; `_postprocess` writes the real token in.
+        """
+        t0 = time.perf_counter()
         scheduled = [s for s in sched.scheduled if s.num_tokens == 1 and s.seq.num_computed_tokens > 0]
         scheduled += [s for s in sched.scheduled if not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0)]
+        starts = [s.seq.num_computed_tokens for s in scheduled]
+        completes = [s.completes for s in scheduled]
         want_plp = [
             s.seq.params.prompt_logprobs is not None and s.seq.num_computed_tokens < len(s.seq.prompt_token_ids)
             for s in scheduled
         ]
-        result = self.runner.run(scheduled, want_plp)
-        t2 = time.perf_counter()
-        self.stats.forward_time += t2 - t1
+        prepared = self.runner.prepare(scheduled, want_plp, completes)
+        st = _Step(next(self._step_ids), scheduled, starts, completes, want_plp)
+        slot = 0
+        for s, done in zip(scheduled, completes):
+            seq = s.seq
+            plen = len(seq.prompt_token_ids)
+            nc = seq.num_computed_tokens
+            self.stats.computed_prompt_tokens += max(0, min(plen, nc + s.num_tokens) - nc)
+            seq.num_computed_tokens += s.num_tokens
+            if s.num_tokens > 1:
+                self.kv.cache_computed(seq)  # share a fresh prefill with requests admitted next
+            if done and seq.params.max_tokens > 0:
+                st.sample_pos.append(seq.num_tokens)
+                st.ph_index.append(len(seq.output_token_ids))
+                st.slot.append(slot)
+                seq.output_token_ids.append(-(slot + 1))
+                seq.placeholders.append(st.id)
+                slot += 1
+            else:
+                st.sample_pos.append(-1)
+                st.ph_index.append(-1)
+                st.slot.append(-1)
+        st.num_slots = slot
+        st.seqs = {id(s.seq) for s in scheduled}
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += sum(s.num_tokens for s in scheduled)
+        self.stats.schedule_time += time.perf_counter() - t0
+        if run_async:
+            st.future = self._executor.submit(self._timed_forward, st, prepared, prev_tokens)
+        else:
+            self._timed_forward(st, prepared, prev_tokens)
+        return st
 
-        for s, pr in zip(scheduled, result.prompt_rows):
+    def _timed_forward(self, st: "_Step", prepared, prev_tokens) -> None:
+        t0 = time.perf_counter()
+        st.result = self.runner.forward(prepared, prev_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # (only this thread waits) so the times are real
+        t1 = time.perf_counter()
+        self.stats.record_forward(t0, t1)
+
+    def _wait(self, st: "_Step") -> None:
+        t0 = time.perf_counter()
+        st.future.result()
+        st.future = None
+        self.stats.wait_time += time.perf_counter() - t0
+        # sequences that finished while this forward ran can give their blocks back now
+        deferred, self._deferred = self._deferred, []
+        for seq in deferred:
+            self.kv.release(seq)
+
+    def _sample(self, st: "_Step"):
+        """Grammar masks and sampling for the sequences of a finished forward pass."""
+        t0 = time.perf_counter()
+        result = st.result
+        for i, (s, pr) in enumerate(zip(st.scheduled, result.prompt_rows)):
             if pr is not None:
-                self._record_prompt_logprobs(s, result.logits[pr[0] : pr[0] + pr[1]])
-            plen = len(s.seq.prompt_token_ids)
-            nc = s.seq.num_computed_tokens
-            self.stats.computed_prompt_tokens += max(0, min(plen, nc + s.num_tokens) - nc)
-
-        # sample every sequence whose tokens are now all computed
-        sampling = [(s, row) for s, row in zip(scheduled, result.sample_rows) if row >= 0]
-        for s in scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            if s.num_tokens > 1:
-                self.kv.cache_computed(s.seq)  # share a fresh prefill with requests admitted next
-        to_sample = [(s, row) for s, row in sampling if s.seq.params.max_tokens > 0 and not s.seq.is_finished]
-        tokens: list[int] = []
-        lps: list[TokenLogprob | None] = []
-        if to_sample:
-            rows_idx = torch.tensor([row for _, row in to_sample], dtype=torch.long, device=result.logits.device)
+                self._record_prompt_logprobs(s.seq, st.starts[i], s.num_tokens, result.logits[pr[0] : pr[0] + pr[1]])
+        active = [
+            i for i, k in enumerate(st.slot)
+            if k >= 0 and st.id not in st.scheduled[i].seq.discarded and not st.scheduled[i].seq.is_finished
+        ]
+        tokens = torch.zeros(st.num_slots, dtype=torch.long, device=result.logits.device)
+        lps: list[TokenLogprob | None] = [None] * st.num_slots
+        if active:
+            rows_idx = torch.tensor([result.sample_rows[i] for i in active], dtype=torch.long, device=result.logits.device)
             logits = result.logits.index_select(0, rows_idx)
-            top_n = [s.seq.params.logprobs for s, _ in to_sample]
+            seqs = [st.scheduled[i].seq for i in active]
+            top_n = [seq.params.logprobs for seq in seqs]
             raw = logits.clone() if any(n is not None for n in top_n) else None
-            self._apply_grammar_masks(logits, [s.seq for s, _ in to_sample])
-            rows = [self._sampling_row(s.seq) for s, _ in to_sample]
+            self._apply_grammar_masks(logits, seqs)
+            rows = [self._sampling_row(seq, st.ph_index[i], st.sample_pos[i]) for seq, i in zip(seqs, active)]
             tok_t = self.sampler.sample(logits, rows)
+            slots = torch.tensor([st.slot[i] for i in active], dtype=torch.long, device=tokens.device)
+            tokens[slots] = tok_t
             if raw is not None:
-                lps = compute_logprobs(raw, tok_t, top_n)
-            else:
-                lps = [None] * len(to_sample)
-            tokens = tok_t.tolist()
-        t3 = time.perf_counter()
-        self.stats.sample_time += t3 - t2
+                for i, lp in zip(active, compute_logprobs(raw, tok_t, top_n)):
+                    lps[st.slot[i]] = lp
+        self.stats.sample_time += time.perf_counter() - t0
+        return tokens, lps
 
+    def _postprocess(self, st: "_Step", tokens: torch.Tensor, lps) -> list[RequestOutput]:
+        """Write sampled tokens in, check stop conditions, detokenise, build outputs."""
+        t0 = time.perf_counter()
+        toks = tokens.tolist()
         progressed: list[Sequence] = []
-        for s, _ in sampling:
-            if s.seq.params.max_tokens == 0 and not s.seq.is_finished:
-                self._finish(s.seq, "length")
-                progressed.append(s.seq)
-        for (s, _), tok, lp in zip(to_sample, tokens, lps):
-            self._append_token(s.seq, tok, lp)
-            progressed.append(s.seq)
+        for i, s in enumerate(st.scheduled):
+            seq = s.seq
+            k = st.slot[i]
+            if k < 0:
+                if st.completes[i] and seq.params.max_tokens == 0 and not seq.is_finished:
+                    self._finish(seq, "length")
+                    progressed.append(seq)
+                continue
+            if st.id in seq.discarded:
+                seq.discarded.discard(st.id)
+                continue
+            if seq.is_finished:
+                continue
+            seq.output_token_ids[st.ph_index[i]] = toks[k]
+            seq.placeholders.remove(st.id)
+            self._accept_token(seq, toks[k], lps[k], st.ph_index[i] + 1)
+            progressed.append(seq)
+        outputs = []
         for seq in progressed:
             outputs.append(self._make_output(seq))
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
-        self.stats.postprocess_time += time.perf_counter() - t3
+        self.stats.postprocess_time += time.perf_counter() - t0
         return outputs
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _drop_placeholders(self, seq: Sequence) -> None:
+        """Forget samples still in flight for seq (it finished, or jump-forward moved it on)."""
+        while seq.output_token_ids and seq.output_token_ids[-1] < 0:
+            seq.output_token_ids.pop()
+            seq.discarded.add(seq.placeholders.pop())
+
+    def _sampling_row(self, seq: Sequence, n_out: int, position: int) -> SamplingRow:
         p = seq.params
         banned: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
+        if n_out < p.min_tokens:
             banned = sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
-        return SamplingRow(p, seq.rng_seed, seq.num_tokens, seq.prompt_token_ids, seq.output_token_ids, banned)
+        return SamplingRow(p, seq.rng_seed, position, seq.prompt_token_ids, seq.output_token_ids[:n_out], banned)
 
     def _apply_grammar_masks(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
@@ -349,26 +511,24 @@ class Engine:
         self.stats.grammar_time += time.perf_counter() - t
         self.stats.grammar_calls += len(rows)
 
-    def _record_prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> None:
-        seq = s.seq
-        nc = seq.num_computed_tokens
+    def _record_prompt_logprobs(self, seq: Sequence, nc: int, n: int, logits: torch.Tensor) -> None:
         plen = len(seq.prompt_token_ids)
         # the logits at position p predict token p + 1
-        targets = [p + 1 for p in range(nc, nc + s.num_tokens) if p + 1 < plen]
+        targets = [p + 1 for p in range(nc, nc + n) if p + 1 < plen]
         if not targets:
             return
         lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
         tgt = torch.tensor([seq.prompt_token_ids[t] for t in targets], dtype=torch.long, device=lp.device)
         chosen = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
-        n = seq.params.prompt_logprobs or 0
-        tops = lp.topk(n, dim=-1) if n else None
+        k = seq.params.prompt_logprobs or 0
+        tops = lp.topk(k, dim=-1) if k else None
         for j, t in enumerate(targets):
             top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
             seq.prompt_logprobs[t] = TokenLogprob(seq.prompt_token_ids[t], chosen[j], top)
 
-    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
+    def _accept_token(self, seq: Sequence, tok: int, lp: TokenLogprob | None, n_out: int) -> None:
+        """A sampled token is in place as output token n_out - 1: advance grammar, text, stop checks."""
         p = seq.params
-        seq.output_token_ids.append(tok)
         self.stats.generated_tokens += 1
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(lp)
@@ -378,7 +538,6 @@ class Engine:
                 self._finish(seq, "error")
                 return
         new_text = seq.detok.add(tok)
-        n_out = seq.num_output_tokens
         is_eos = tok in self.eos_token_ids
         if seq.matcher is not None and seq.matcher.is_terminated():
             seq.text += "" if is_eos else new_text
@@ -395,11 +554,11 @@ class Engine:
         if p.stop and n_out >= p.min_tokens and new_text:
             if self._check_stop_strings(seq, len(new_text)):
                 return
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             self._finish(seq, "length")
             return
         if seq.matcher is not None and self.config.jump_forward:
-            self._jump_forward(seq)
+            self._jump_forward(seq, n_out)
 
     def _check_stop_strings(self, seq: Sequence, n_new: int) -> bool:
         p = seq.params
@@ -417,16 +576,17 @@ class Engine:
         self._finish(seq, "stop", s)
         return True
 
-    def _jump_forward(self, seq: Sequence) -> None:
+    def _jump_forward(self, seq: Sequence, n_out: int) -> None:
         """Append the grammar's forced continuation (if any) without decode steps of its own."""
         from deepinfer.grammar import jump_forward
 
         p = seq.params
-        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        room = min(p.max_tokens - n_out, self.max_model_len - len(seq.prompt_token_ids) - n_out) - 1
         forced = seq.matcher.find_jump_forward_string()
         # each token is at least one byte: only jump when the whole string surely fits
         if not forced or len(forced.encode("utf-8")) > room:
             return
+        self._drop_placeholders(seq)  # a sample in flight for this seq came before the forced text
         jf = jump_forward(seq.matcher, self.tokenizer.hf, self._grammar.token_bytes)
         for tok in jf.token_ids:
             seq.output_token_ids.append(tok)
@@ -445,7 +605,13 @@ class Engine:
         if reason == "length" and seq.detok is not None:
             seq.text += seq.detok.flush()  # bytes held back for an unfinished UTF-8 sequence
         seq.status = SeqStatus.FINISHED
-        self.scheduler.remove(seq)
+        self._drop_placeholders(seq)
+        if self._inflight is not None and id(seq) in self._inflight.seqs:
+            # the forward pass in flight writes this sequence's KV: give the blocks back after it
+            self.scheduler.remove(seq, release=False)
+            self._deferred.append(seq)
+        else:
+            self.scheduler.remove(seq)
         self.stats.num_finished += 1
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
@@ -455,12 +621,15 @@ class Engine:
         if not finished and seq.params.stop:
             # hold back text that could still turn out to be the start of a stop string
             visible = max(seq.reported_text, len(text) - max(len(s) for s in seq.params.stop) + 1)
+        ids = seq.output_token_ids
+        n_real = len(ids) - len(seq.placeholders)  # samples still in flight sit at the end
+        ids = ids[:n_real]
         out = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
+            token_ids=ids,
             text=text if finished else text[:visible],
-            delta_token_ids=seq.output_token_ids[seq.reported_tokens :],
+            delta_token_ids=ids[seq.reported_tokens :],
             delta_text=text[seq.reported_text : visible],
             finished=finished,
             finish_reason=seq.finish_reason,
@@ -471,7 +640,7 @@ class Engine:
             error=seq.error,
             grammar_backend=seq.grammar_backend,
         )
-        seq.reported_tokens = len(seq.output_token_ids)
+        seq.reported_tokens = n_real
         seq.reported_text = visible
         return out
 
@@ -519,6 +688,8 @@ class Engine:
 
             bar = tqdm(total=len(pending), desc="generate")
         while pending:
+            if not self.has_unfinished():
+                raise RuntimeError("engine stopped with requests pending")  # a bug, never silent
             for out in self.step():
                 if out.finished and out.request_id in pending:
                     results[out.request_id] = out
@@ -527,6 +698,7 @@ class Engine:
                         bar.update(1)
         if bar is not None:
             bar.close()
+        self._drain()  # release what the last forward in flight still holds
         return [results[o] if isinstance(o, str) else o for o in order]
 
     def _enable_batch_invariant(self) -> None:

@@ -74,22 +74,27 @@ class ModelRunner:
         bs = self.block_size
         self.kv_cache[:, :, dst_block * bs : dst_block * bs + n] = self.kv_cache[:, :, src_block * bs : src_block * bs + n]
 
-    @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq], want_prompt_logprobs: list[bool]) -> ForwardResult:
-        """One forward pass. `scheduled` must list decodes (1 token) before multi-token chunks."""
+    def prepare(self, scheduled: list[ScheduledSeq], want_prompt_logprobs: list[bool], completes: list[bool]) -> "PreparedBatch":
+        """Host-side batch layout (token ids, positions, slots, gather indices, logit rows).
+
+        `scheduled` must list decodes (1 token after a computed prefix) before multi-token chunks.
+        Token ids < 0 are placeholders for tokens the previous step is still sampling: -(r + 1)
+        is row r of that step's sampled tokens, resolved on the device in `forward`.
+        """
         bs = self.block_size
         dev = self.device
         ids: list[int] = []
         pos_starts: list[int] = []
         lens: list[int] = []
-        decodes = [s for s in scheduled if s.num_tokens == 1 and s.seq.num_computed_tokens > 0]
-        chunks = [s for s in scheduled if not (s.num_tokens == 1 and s.seq.num_computed_tokens > 0)]
-        assert scheduled == decodes + chunks, "scheduled batch must put decodes first"
         for s in scheduled:
             nc = s.seq.num_computed_tokens
             ids.extend(s.seq.all_token_ids[nc : nc + s.num_tokens])
             pos_starts.append(nc)
             lens.append(s.num_tokens)
+        nd = 0
+        while nd < len(scheduled) and lens[nd] == 1 and pos_starts[nd] > 0:
+            nd += 1
+        assert all(not (lens[i] == 1 and pos_starts[i] > 0) for i in range(nd, len(scheduled))), "decodes must come first"
         input_ids = torch.tensor(ids, dtype=torch.long)
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         bt = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
@@ -103,13 +108,11 @@ class ModelRunner:
         slot_mapping = bt[row_seq, positions // bs] * bs + positions % bs
 
         ctx = ForwardContext(slot_mapping=slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn)
-        nd = len(decodes)
         if nd:
             ctx_lens = starts_t[:nd] + 1
             L = int(ctx_lens.max())
             p = torch.arange(L)
-            bt_d = bt[:nd]
-            gather = bt_d.gather(1, (p // bs).expand(nd, L).clamp(max=max_blocks - 1)) * bs + p % bs
+            gather = bt[:nd].gather(1, (p // bs).expand(nd, L).clamp(max=max_blocks - 1)) * bs + p % bs
             valid = p[None, :] < ctx_lens[:, None]
             ctx.num_decode = nd
             ctx.decode_gather_idx = torch.where(valid, gather, 0).to(dev)
@@ -124,29 +127,48 @@ class ModelRunner:
             ctx.prefills.append(PrefillChunk(q_start, n, nc + n, gidx))
             q_start += n
 
-        hidden = self.model(input_ids.to(dev), positions.to(dev), ctx, self.kv_caches)
-
         # rows whose logits are needed: the last row of every completing seq, all rows for prompt logprobs
         rows: list[int] = []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[int, int] | None] = []
         start = 0
-        for s, want in zip(scheduled, want_prompt_logprobs):
+        for n, want, done in zip(lens, want_prompt_logprobs, completes):
             if want:
-                prompt_rows.append((len(rows), s.num_tokens))
-                rows.extend(range(start, start + s.num_tokens))
-                sample_rows.append(len(rows) - 1 if s.completes else -1)
+                prompt_rows.append((len(rows), n))
+                rows.extend(range(start, start + n))
+                sample_rows.append(len(rows) - 1 if done else -1)
             else:
                 prompt_rows.append(None)
-                if s.completes:
+                if done:
                     sample_rows.append(len(rows))
-                    rows.append(start + s.num_tokens - 1)
+                    rows.append(start + n - 1)
                 else:
                     sample_rows.append(-1)
-            start += s.num_tokens
-        if rows:
-            sel = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
-            logits = self.model.compute_logits(sel, ctx)
+            start += n
+        return PreparedBatch(input_ids, positions, ctx, rows, sample_rows, prompt_rows)
+
+    @torch.inference_mode()
+    def forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None) -> ForwardResult:
+        """Run the model over a prepared batch; placeholders are filled from prev_tokens first."""
+        dev = self.device
+        ids = batch.input_ids.to(dev, non_blocking=True)
+        if prev_tokens is not None:
+            ph = ids < 0
+            ids = torch.where(ph, prev_tokens.to(dev)[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
+        hidden = self.model(ids, batch.positions.to(dev), batch.ctx, self.kv_caches)
+        if batch.rows:
+            sel = hidden.index_select(0, torch.tensor(batch.rows, dtype=torch.long, device=dev))
+            logits = self.model.compute_logits(sel, batch.ctx)
         else:
             logits = torch.empty(0, self.model_config.vocab_size, device=dev)
-        return ForwardResult(logits, sample_rows, prompt_rows)
+        return ForwardResult(logits, batch.sample_rows, batch.prompt_rows)
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor  # [T] (may hold placeholders < 0)
+    positions: torch.Tensor  # [T]
+    ctx: ForwardContext
+    rows: list[int]  # hidden rows whose logits are computed
+    sample_rows: list[int]
+    prompt_rows: list[tuple[int, int] | None]

@@ -27,6 +27,9 @@ in which case the parent's duplicates were freed and it must switch to the tree'
 child then does ``match_prefix`` + ``lock`` and copies only the partial last page into a block
 of its own (copy-on-write is the caller's job). Every lock is later released with ``unlock``.
 
+``peek_prefix_len`` answers "how much would match" without splitting or touching LRU times (for
+admission decisions that may not go ahead).
+
 Eviction frees blocks of unlocked leaves, least recently used first; a leaf larger than what is
 still needed is trimmed from its tail, so ``evict(n)`` never frees more than n blocks. Locked
 nodes (and their ancestors, which carry the lock too) are never evicted.
@@ -224,7 +227,12 @@ class RadixCache:
 
     # ----------------------------------------------------------------- locking
     def lock(self, node: RadixNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (counted; pair with ``unlock``)."""
+        """Protect ``node`` and its ancestors from eviction (counted; pair with ``unlock``).
+
+        Lock right after ``match_prefix``: a node evicted in between cannot be locked.
+        """
+        if node is not self.root and node.parent is None:
+            raise RadixCacheError(f"lock of an evicted node: {node!r}")
         while node is not self.root:
             if node.lock_ref == 0:
                 self.evictable_blocks -= len(node.blocks)
@@ -358,6 +366,7 @@ class RadixCache:
                 break
             parent = leaf.parent
             del parent.children[self._page_key(leaf.key)]
+            leaf.parent, leaf.blocks = None, []  # detached: lock() refuses it
             self.num_nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))

@@ -55,8 +55,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues (finished or aborted) and release its blocks."""
+    def remove(self, seq: Sequence, release: bool = True) -> None:
+        """Take a sequence out of the queues (finished or aborted); release its blocks unless the
+        caller does it later (its KV is still being written by a forward pass in flight)."""
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -64,13 +65,18 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        self.kv.release(seq)
+        if release:
+            self.kv.release(seq)
 
     # -------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, allow_preempt: bool = True) -> SchedulerOutput | None:
+        """Plan the next step. With allow_preempt=False (planning while a forward pass is in
+        flight) returns None instead of preempting when the running sequences need more blocks."""
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
+        if not allow_preempt and not self._running_fits(budget):
+            return None
 
         # 1. running sequences, oldest first; preempt the newest when blocks run out
         self.running.sort(key=lambda s: s.arrival)
@@ -137,6 +143,19 @@ class Scheduler:
             if common_prefix_len(tokens, other.all_token_ids) >= need:
                 return True
         return False
+
+    def _running_fits(self, budget: int) -> bool:
+        need = 0
+        for seq in self.running:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = remaining if remaining == 1 else self._chunk(remaining, budget)
+            if n <= 0:
+                break
+            need += self.kv.blocks_needed(seq, seq.num_computed_tokens + n)
+            budget -= n
+            if budget <= 0:
+                break
+        return need <= self.kv.num_available_blocks()
 
     def _chunk(self, remaining: int, budget: int, allow_over: bool = False) -> int:
         if remaining <= budget:

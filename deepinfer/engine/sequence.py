@@ -44,6 +44,8 @@ class Sequence:
     forced_tokens: list[int] = field(default_factory=list)  # jump-forward tokens to feed before sampling
     num_preemptions: int = 0
     counted: bool = False  # its cache hit is in the engine stats
+    placeholders: list[int] = field(default_factory=list)  # ids of steps whose sample is still pending
+    discarded: set[int] = field(default_factory=set)  # ids of steps whose sample must be dropped
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -23,7 +23,26 @@ class EngineStats:
     postprocess_time: float = 0.0
     grammar_time: float = 0.0
     grammar_calls: int = 0
+    wait_time: float = 0.0  # time the planning thread waited for a forward pass (overlap mode)
+    idle_gap_time: float = 0.0  # time between the end of one forward pass and the start of the next
+    first_forward_start: float = 0.0
+    last_forward_end: float = 0.0
     extra: dict = field(default_factory=dict)
+
+    def record_forward(self, start: float, end: float) -> None:
+        """Called once per forward pass (from whichever thread runs it)."""
+        if self.last_forward_end:
+            self.idle_gap_time += max(0.0, start - self.last_forward_end)
+        else:
+            self.first_forward_start = start
+        self.forward_time += end - start
+        self.last_forward_end = end
+
+    @property
+    def idle_share(self) -> float:
+        """Idle gap between forward passes as a share of the wall time they span."""
+        span = self.last_forward_end - self.first_forward_start
+        return self.idle_gap_time / span if span > 0 else 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

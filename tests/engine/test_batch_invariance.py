@@ -78,3 +78,21 @@ def test_same_batch_twice_is_identical(tiny_models):
     # seeded requests repeat within one engine too
     seeded = [SamplingParams(temperature=1.0, max_tokens=10, seed=i) for i in range(len(prompts))]
     assert [o.token_ids for o in eng.generate(prompts, seeded)] == [o.token_ids for o in eng.generate(prompts, seeded)]
+
+
+def test_bi_matmul_rows_feed_elementwise_ops_invariantly():
+    """Elementwise ops after a GEMM vectorise along the contiguous dim: the output must be row-major
+    for any M, or silu(x) bits would depend on the batch size (a bug this test caught)."""
+    import torch
+    import torch.nn.functional as F
+
+    from deepinfer.engine.batch_invariant import bi_matmul
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 64)
+    x = torch.randn(40, 64)
+    full = F.silu(bi_matmul(x, w))
+    for m in range(1, 40):
+        y = bi_matmul(x[:m], w)
+        assert y.is_contiguous()
+        assert torch.equal(F.silu(y), full[:m]), m

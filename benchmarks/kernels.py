@@ -1,0 +1,158 @@
+"""Benchmark each custom kernel against its torch reference.
+
+    python benchmarks/kernels.py                 # CPU (CUDA instead when available)
+    python benchmarks/kernels.py --device cpu --quick
+    python benchmarks/kernels.py --json out.json
+
+Prints, per op and size, the median time of the torch reference and of the TileLang kernel
+(the C twin on CPU, the GPU kernel on CUDA) and their ratio (torch / tilelang: > 1 means the
+kernel is faster). On CUDA the memory-bound kernels also report achieved bandwidth as a share
+of the H200's 4.3 TB/s. Compile time (or disk-cache load time) per kernel is printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepinfer_kernels import _tilelang, rng  # noqa: E402
+from deepinfer_kernels.paged_attention import (  # noqa: E402
+    paged_decode_attention_reference,
+    paged_decode_attention_tilelang,
+)
+from deepinfer_kernels.rmsnorm import fused_add_rmsnorm_reference, fused_add_rmsnorm_tilelang  # noqa: E402
+from deepinfer_kernels.sampling import masked_sample_reference, masked_sample_tilelang  # noqa: E402
+
+PEAK_BW = 4.3e12  # H200 HBM3e, bytes/s
+
+
+def timeit(fn, device, iters: int, warmup: int = 2) -> float:
+    """Median seconds per call (CUDA: event-timed after synchronising)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def report(rows, name, size, t_ref, t_tl, nbytes, device):
+    row = dict(op=name, size=size, torch_ms=t_ref * 1e3, tilelang_ms=t_tl * 1e3, speedup=t_ref / t_tl)
+    line = f"{name:<24} {size:<34} torch {t_ref * 1e3:9.3f} ms  tilelang {t_tl * 1e3:9.3f} ms  x{t_ref / t_tl:7.2f}"
+    if device.type == "cuda" and nbytes:
+        bw = nbytes / t_tl
+        row["bandwidth_share"] = bw / PEAK_BW
+        line += f"  {bw / 1e9:7.1f} GB/s = {100 * bw / PEAK_BW:5.1f}% of 4.3 TB/s"
+    print(line, flush=True)
+    rows.append(row)
+
+
+def bench_sampling(rows, device, iters, quick):
+    g = torch.Generator().manual_seed(0)
+    vocabs = [49152] if quick else [49152, 129280]
+    for v in vocabs:
+        for b in (1, 8, 64):
+            logits = (torch.randn(b, v, generator=g) * 3).to(device)
+            w = (v + 31) // 32
+            mask = torch.randint(-(2**31), 2**31 - 1, (b, w), generator=g, dtype=torch.int64).to(torch.int32).to(device)
+            keys = torch.tensor([rng.row_key(i, 1) for i in range(b)], dtype=torch.int64, device=device)
+            for mode, t in (("greedy", 0.0), ("sample", 0.8)):
+                temp = torch.full((b,), t, device=device)
+                args = (logits, mask, temp, keys)
+                assert torch.equal(masked_sample_reference(*args), masked_sample_tilelang(*args))
+                t_ref = timeit(lambda: masked_sample_reference(*args), device, iters)
+                t_tl = timeit(lambda: masked_sample_tilelang(*args), device, iters)
+                report(rows, "masked_sample", f"{mode} B={b} V={v}", t_ref, t_tl, b * v * 4 + b * w * 4, device)
+
+
+def bench_rmsnorm(rows, device, iters, quick, dtype):
+    g = torch.Generator().manual_seed(1)
+    for d in (576, 4096):
+        for b in (1, 8, 64):
+            x, r = (torch.randn(b, d, generator=g).to(device, dtype) for _ in range(2))
+            w = torch.rand(d, generator=g).to(device, dtype)
+            args = (x, r, w, 1e-5)
+            t_ref = timeit(lambda: fused_add_rmsnorm_reference(*args), device, iters)
+            t_tl = timeit(lambda: fused_add_rmsnorm_tilelang(*args), device, iters)
+            es = x.element_size()
+            report(rows, "fused_add_rmsnorm", f"{str(dtype)[6:]} B={b} D={d}", t_ref, t_tl, 4 * b * d * es + d * es, device)
+
+
+def bench_attention(rows, device, iters, quick, dtype):
+    g = torch.Generator().manual_seed(2)
+    shapes = [(9, 3, 64, 16)] if quick else [(9, 3, 64, 16), (32, 8, 128, 16)]
+    ctx = 512 if device.type == "cpu" else 4096
+    for h, hkv, d, bs in shapes:
+        for b in (1, 8, 64):
+            if device.type == "cpu" and (b == 64 and h == 32):
+                continue  # minutes on a 2-core box; adds nothing the smaller rows do not show
+            mb = (ctx + bs - 1) // bs
+            nb = b * mb + 1
+            q = torch.randn(b, h, d, generator=g).to(device, dtype)
+            kc = torch.randn(nb, bs, hkv, d, generator=g).to(device, dtype)
+            vc = torch.randn(nb, bs, hkv, d, generator=g).to(device, dtype)
+            bt = torch.randperm(nb - 1, generator=g)[: b * mb].view(b, mb).to(torch.int32).to(device)
+            cl = torch.full((b,), ctx, dtype=torch.int32, device=device)
+            args = (q, kc, vc, bt, cl, 1 / math.sqrt(d))
+            t_ref = timeit(lambda: paged_decode_attention_reference(*args), device, iters)
+            t_tl = timeit(lambda: paged_decode_attention_tilelang(*args), device, iters)
+            nbytes = 2 * b * ctx * hkv * d * kc.element_size()
+            report(rows, "paged_decode_attention", f"{str(dtype)[6:]} H={h}/{hkv} D={d} B={b} L={ctx}", t_ref, t_tl, nbytes, device)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="fewer sizes")
+    p.add_argument("--ops", default="sampling,rmsnorm,attention")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    iters = a.iters or (50 if device.type == "cuda" else 5)
+    if not _tilelang.available():
+        print("tilelang is not importable; nothing to compare", file=sys.stderr)
+        return 1
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, iters {iters}", flush=True)
+    rows: list[dict] = []
+    ops = a.ops.split(",")
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    if "sampling" in ops:
+        bench_sampling(rows, device, iters, a.quick)
+    for dt in dtypes:
+        if "rmsnorm" in ops:
+            bench_rmsnorm(rows, device, iters, a.quick, dt)
+        if "attention" in ops:
+            bench_attention(rows, device, iters, a.quick, dt)
+    print("compile / cache-load seconds per kernel:")
+    for k, s in _tilelang.COMPILE_SECONDS.items():
+        print(f"  {k}: {s:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(device=str(device), rows=rows, compile_s={str(k): v for k, v in _tilelang.COMPILE_SECONDS.items()}), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
