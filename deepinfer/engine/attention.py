@@ -30,6 +30,10 @@ class ForwardContext:
     num_decode: int = 0
     decode_gather_idx: torch.Tensor | None = None  # [Bd, Lmax] cache slots (padded with 0)
     decode_valid: torch.Tensor | None = None  # [Bd, Lmax] bool
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32 (for the decode kernel)
+    decode_context_lens: torch.Tensor | None = None  # [Bd] int32
+    block_size: int = 0
+    decode_kernel: Callable | None = None  # deepinfer_kernels.paged_decode_attention when selected
     prefills: list[PrefillChunk] = field(default_factory=list)
     linear: Callable = F.linear
     attention_fn: Callable | None = None  # overrides paged_attention's math (batch-invariant mode)
@@ -50,7 +54,12 @@ def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float
     Hkv = k.shape[1]
     G = H // Hkv
     nd = ctx.num_decode
-    if nd:
+    if nd and ctx.decode_kernel is not None:
+        nb = k_cache.shape[0] // ctx.block_size
+        kc = k_cache.view(nb, ctx.block_size, Hkv, D)
+        vc = v_cache.view(nb, ctx.block_size, Hkv, D)
+        out[:nd] = ctx.decode_kernel(q[:nd].contiguous(), kc, vc, ctx.decode_block_tables, ctx.decode_context_lens, scale)
+    elif nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, ctx.decode_gather_idx, ctx.decode_valid, scale)
     for c in ctx.prefills:
         qs = q[c.q_start : c.q_start + c.q_len]

@@ -30,6 +30,7 @@ class EngineConfig:
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
     grammar_fallback: bool = True
     jump_forward: bool = True
+    kernels: str = "auto"  # custom kernels: "auto" (per op and device, as measured) | "torch" | "tilelang"
     num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
     cache_dir: str | None = None  # where converted models are cached
 
@@ -51,6 +52,8 @@ class EngineConfig:
             raise bad(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if not (0 < self.kv_cache_fraction <= 0.95):
             raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        if self.kernels not in ("auto", "torch", "tilelang"):
+            raise bad(f"kernels must be 'auto', 'torch' or 'tilelang', got {self.kernels!r}")
         if self.grammar_backend not in ("xgrammar", "outlines"):
             raise bad(f"grammar_backend must be 'xgrammar' or 'outlines', got {self.grammar_backend!r}")
 

@@ -508,8 +508,7 @@ class Engine:
         sub = logits[rows]
         apply_token_bitmask_(sub, bitmask)
         logits[rows] = sub
-        self.stats.grammar_time += time.perf_counter() - t
-        self.stats.grammar_calls += len(rows)
+        self.stats.record_grammar(time.perf_counter() - t, len(rows))
 
     def _record_prompt_logprobs(self, seq: Sequence, nc: int, n: int, logits: torch.Tensor) -> None:
         plen = len(seq.prompt_token_ids)
@@ -533,7 +532,10 @@ class Engine:
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(lp)
         if seq.matcher is not None:
-            if not seq.matcher.accept_token(tok):
+            t = time.perf_counter()
+            ok = seq.matcher.accept_token(tok)
+            self.stats.grammar_time += time.perf_counter() - t
+            if not ok:
                 seq.error = f"grammar rejected sampled token {tok}"
                 self._finish(seq, "error")
                 return

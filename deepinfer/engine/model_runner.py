@@ -55,6 +55,33 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_hidden_layers)]
         self.linear = torch.nn.functional.linear
         self.attention_fn = None
+        self.kernels = config.kernels
+        self.decode_kernel = None
+        self._select_kernels()
+
+    def _select_kernels(self) -> None:
+        """Route ops to deepinfer_kernels where its dispatch picks TileLang for this device."""
+        import deepinfer_kernels as K
+
+        if self.config.batch_invariant:
+            return  # that mode uses its own invariant ops
+        mc = self.model_config
+        with K.use_backend(self.kernels):
+            rms = K.selected_backend("fused_add_rmsnorm", self.device) == "tilelang"
+            attn = K.selected_backend("paged_decode_attention", self.device) == "tilelang"
+            if not (rms or attn):
+                return
+            # compile (or load from the disk cache) now, never on the per-step path
+            K.warmup(
+                self.device, hidden=mc.hidden_size if rms else None, eps=mc.rms_norm_eps if rms else None,
+                attention=dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
+                               head_dim=mc.head_dim, block_size=self.block_size, scale=mc.head_dim**-0.5) if attn else None,
+                dtype=self.dtype,
+            )
+        if rms:
+            self.model.set_fused_add_norm(K.fused_add_rmsnorm)
+        if attn:
+            self.decode_kernel = K.paged_decode_attention
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -117,6 +144,11 @@ class ModelRunner:
             ctx.num_decode = nd
             ctx.decode_gather_idx = torch.where(valid, gather, 0).to(dev)
             ctx.decode_valid = valid.to(dev)
+            if self.decode_kernel is not None:
+                ctx.decode_kernel = self.decode_kernel
+                ctx.block_size = bs
+                ctx.decode_block_tables = bt[:nd].to(torch.int32).to(dev)
+                ctx.decode_context_lens = ctx_lens.to(torch.int32).to(dev)
         q_start = nd
         for i in range(nd, len(scheduled)):
             nc, n = pos_starts[i], lens[i]
@@ -150,6 +182,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None) -> ForwardResult:
         """Run the model over a prepared batch; placeholders are filled from prev_tokens first."""
+        import deepinfer_kernels as K
+
+        with K.use_backend(self.kernels):  # (a context variable: set in the thread that runs this)
+            return self._forward(batch, prev_tokens)
+
+    def _forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None) -> ForwardResult:
         dev = self.device
         ids = batch.input_ids.to(dev, non_blocking=True)
         if prev_tokens is not None:

@@ -1,8 +1,9 @@
 """Turns a batch of logits into next tokens: penalties, constraint masks, filters, seeded draws.
 
-Seeded sampling uses counter-based noise (deepinfer_kernels.rng): the Gumbel noise for a draw is a
-hash of (request seed, token position, token id), so a request samples the same tokens alone or in
-any batch, and after preemption. Greedy rows take the argmax (first maximum on ties).
+Seeded sampling uses counter-based randomness (deepinfer_kernels.rng): each draw uses one
+uniform derived from (request seed, token position) only, so a request samples the same tokens alone
+or in any batch, and after preemption; the token is drawn by inverting the row's CDF at that
+uniform (row-wise ops only). Greedy rows take the argmax (first maximum on ties).
 """
 
 from __future__ import annotations
@@ -88,6 +89,27 @@ def compute_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, top_n: list
     return out
 
 
+def row_uniforms(keys: list[int], device) -> torch.Tensor:
+    """One uniform in (0, 1) per draw, from its 32-bit counter key (exact: 24-bit grid, never 0 or 1)."""
+    h = rng.hash32_t(torch.tensor(keys, dtype=torch.long, device=device) ^ 0x5BD1E995)
+    return ((h >> 8).to(torch.float64) + 0.5) / 16777216.0
+
+
+def inverse_cdf_sample(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from softmax(x) by inverting its CDF at u.
+
+    Every op is row-wise (softmax, a sequential cumulative sum, a binary search), so a row's draw
+    depends only on its own logits and its uniform, never on the batch; and it costs three passes
+    over the logits rather than the per-token noise a Gumbel-max draw needs. Masked (-inf) tokens
+    have zero mass and are never drawn.
+    """
+    probs = torch.softmax(x, dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # fp64: sums over 100k+ tokens stay exact enough
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_(max=x.shape[1] - 1)
+
+
 class Sampler:
     """Samples one token per row. Grammar masks are applied by the caller before `sample`."""
 
@@ -113,7 +135,6 @@ class Sampler:
         temps = torch.tensor([r.params.temperature for r in srows], dtype=x.dtype, device=x.device)
         x.div_(temps[:, None])
         filter_logits(x, srows)
-        keys = torch.tensor([rng.row_key(r.seed, r.position) for r in srows], dtype=torch.long, device=x.device)
-        x.add_(rng.gumbel_from_keys(keys, x.shape[1]))
-        tokens[si] = x.argmax(dim=-1)
+        keys = [rng.row_key(r.seed, r.position) for r in srows]
+        tokens[si] = inverse_cdf_sample(x, row_uniforms(keys, x.device))
         return tokens

@@ -27,7 +27,16 @@ class EngineStats:
     idle_gap_time: float = 0.0  # time between the end of one forward pass and the start of the next
     first_forward_start: float = 0.0
     last_forward_end: float = 0.0
+    grammar_step_samples: list = field(default_factory=list)  # grammar seconds per constrained token, per step (last 100k)
     extra: dict = field(default_factory=dict)
+
+    def record_grammar(self, seconds: float, rows: int) -> None:
+        self.grammar_time += seconds
+        self.grammar_calls += rows
+        if rows:
+            if len(self.grammar_step_samples) >= 100_000:
+                del self.grammar_step_samples[:50_000]
+            self.grammar_step_samples.append(seconds / rows)
 
     def record_forward(self, start: float, end: float) -> None:
         """Called once per forward pass (from whichever thread runs it)."""

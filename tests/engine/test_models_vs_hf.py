@@ -43,7 +43,7 @@ def test_logits_and_greedy_match_transformers(tiny_models, arch):
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):
-    from conftest import make_tiny_model
+    from model_factory import make_tiny_model
 
     single = make_tiny_model(tmp_path / "single", "llama", seed=3)
     sharded = make_tiny_model(tmp_path / "sharded", "llama", seed=3, shard=True)

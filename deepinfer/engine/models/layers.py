@@ -28,12 +28,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.impl = _torch_rmsnorm  # swapped for the batch-invariant version in that mode
+        self.fused_add = None  # deepinfer_kernels.fused_add_rmsnorm when that kernel is selected
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.impl(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add fused with the norm: returns (norm(x + residual), x + residual)."""
+        if self.fused_add is not None:
+            return self.fused_add(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.forward(residual), residual
 
@@ -175,6 +178,12 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, meta, kv)
         x, _ = self.norm.add_forward(x, residual)
         return x
+
+    def set_fused_add_norm(self, fn) -> None:
+        """Use fn(x, residual, weight, eps) -> (normed, x + residual) for every residual-add norm."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused_add = fn
 
     def set_norm_impl(self, fn) -> None:
         """Use fn(x, weight, eps) for every RMSNorm (e.g. the batch-invariant one)."""
