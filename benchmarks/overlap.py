@@ -28,14 +28,15 @@ SCHEMA = {
 def run(engine: Engine, prompts, sp):
     s = engine.stats
     engine.reset_prefix_cache()
-    gap0, span0, fwd0 = s.idle_gap_time, s.last_forward_end, s.forward_time
+    s.last_forward_end = 0.0  # the gap before this run's first forward is not this run's
+    gap0, steps0, jf0 = s.idle_gap_time, s.num_steps, s.jump_forward_tokens
     t = time.perf_counter()
     outs = engine.generate(prompts, sp)
     dt = time.perf_counter() - t
     toks = sum(len(o.token_ids) for o in outs)
     # idle share over this run only: gaps between its forward passes / wall time of the run
     gap = s.idle_gap_time - gap0
-    return toks / dt, gap / dt, outs
+    return toks / dt, gap / dt, outs, s.num_steps - steps0, s.jump_forward_tokens - jf0
 
 
 def main() -> None:
@@ -57,7 +58,8 @@ def main() -> None:
         same = [o.token_ids for o in res["sync"][2]] == [o.token_ids for o in res["overlap"][2]]
         print(f"{name:>14}: sync {res['sync'][0]:.1f} tok/s (idle {res['sync'][1]:.1%}), "
               f"overlap {res['overlap'][0]:.1f} tok/s (idle {res['overlap'][1]:.1%}), "
-              f"speed-up {res['overlap'][0] / res['sync'][0]:.2f}x, identical outputs: {same}")
+              f"speed-up {res['overlap'][0] / res['sync'][0]:.2f}x, identical outputs: {same}; "
+              f"steps {res['sync'][3]} vs {res['overlap'][3]}, jump-forward tokens {res['sync'][4]}")
 
 
 if __name__ == "__main__":

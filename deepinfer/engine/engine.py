@@ -441,7 +441,7 @@ class Engine:
             seqs = [st.scheduled[i].seq for i in active]
             top_n = [seq.params.logprobs for seq in seqs]
             raw = logits.clone() if any(n is not None for n in top_n) else None
-            self._apply_grammar_masks(logits, seqs)
+            self._apply_grammar_masks(logits, seqs, st.id)
             rows = [self._sampling_row(seq, st.ph_index[i], st.sample_pos[i]) for seq, i in zip(seqs, active)]
             tok_t = self.sampler.sample(logits, rows)
             slots = torch.tensor([st.slot[i] for i in active], dtype=torch.long, device=tokens.device)
@@ -495,7 +495,7 @@ class Engine:
             banned = sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
         return SamplingRow(p, seq.rng_seed, position, seq.prompt_token_ids, seq.output_token_ids[:n_out], banned)
 
-    def _apply_grammar_masks(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_grammar_masks(self, logits: torch.Tensor, seqs: list[Sequence], step_id: int = -1) -> None:
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return
@@ -504,11 +504,27 @@ class Engine:
         t = time.perf_counter()
         bitmask = allocate_token_bitmask(len(rows), logits.shape[1])
         for j, i in enumerate(rows):
-            seqs[i].matcher.fill_bitmask(bitmask, j)
+            seq = seqs[i]
+            if seq.next_mask is not None and seq.next_mask_step == step_id:
+                bitmask[j] = seq.next_mask[0]  # filled while this step's forward ran
+            else:
+                seq.matcher.fill_bitmask(bitmask, j)
+            seq.next_mask = None
         sub = logits[rows]
         apply_token_bitmask_(sub, bitmask)
         logits[rows] = sub
         self.stats.record_grammar(time.perf_counter() - t, len(rows))
+
+    def _prefill_mask(self, seq: Sequence) -> None:
+        """Overlap mode: fill the bitmask for the sample in flight now, while its forward runs."""
+        from deepinfer.grammar import allocate_token_bitmask
+
+        t = time.perf_counter()
+        if seq.next_mask is None:
+            seq.next_mask = allocate_token_bitmask(1, self.vocab_size)
+        seq.matcher.fill_bitmask(seq.next_mask, 0)
+        seq.next_mask_step = seq.placeholders[-1]
+        self.stats.grammar_time += time.perf_counter() - t
 
     def _record_prompt_logprobs(self, seq: Sequence, nc: int, n: int, logits: torch.Tensor) -> None:
         plen = len(seq.prompt_token_ids)
@@ -561,6 +577,8 @@ class Engine:
             return
         if seq.matcher is not None and self.config.jump_forward:
             self._jump_forward(seq, n_out)
+        if seq.matcher is not None and seq.placeholders and not seq.is_finished:
+            self._prefill_mask(seq)
 
     def _check_stop_strings(self, seq: Sequence, n_new: int) -> bool:
         p = seq.params

@@ -46,6 +46,8 @@ class Sequence:
     counted: bool = False  # its cache hit is in the engine stats
     placeholders: list[int] = field(default_factory=list)  # ids of steps whose sample is still pending
     discarded: set[int] = field(default_factory=set)  # ids of steps whose sample must be dropped
+    next_mask: Any = None  # grammar bitmask row for the pending sample, filled ahead (overlap mode)
+    next_mask_step: int = -1  # the step that bitmask is for
 
     @property
     def all_token_ids(self) -> list[int]:
