@@ -510,9 +510,7 @@ class Engine:
             else:
                 seq.matcher.fill_bitmask(bitmask, j)
             seq.next_mask = None
-        sub = logits[rows]
-        apply_token_bitmask_(sub, bitmask)
-        logits[rows] = sub
+        apply_token_bitmask_(logits, bitmask, rows=rows)
         self.stats.record_grammar(time.perf_counter() - t, len(rows))
 
     def _prefill_mask(self, seq: Sequence) -> None:

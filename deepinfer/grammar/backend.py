@@ -1,0 +1,73 @@
+"""The small interface every grammar backend implements.
+
+A backend compiles a GrammarSpec once (per tokenizer) into a CompiledGrammar; each request gets
+its own GrammarMatcher from it. The engine calls, per decode step: `fill_bitmask` (allowed next
+tokens into one row of a [B, ceil(V/32)] int32 bitmask, bit t%32 of word t//32 set = allowed),
+then `accept_token` with the sampled token. Stop tokens are allowed in the mask exactly when the
+matcher `can_terminate()`; accepting one terminates the matcher.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from deepinfer.grammar.spec import GrammarSpec
+
+
+class GrammarMatcher(ABC):
+    """Per-request matching state over one CompiledGrammar."""
+
+    #: whether rollback(n) is available
+    supports_rollback: bool = False
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) when the grammar does not allow it."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (int32, ceil(V/32) words)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted (or nothing more can follow)."""
+
+    @abstractmethod
+    def can_terminate(self) -> bool:
+        """True when the text so far is a complete match (a stop token would be accepted)."""
+
+    @abstractmethod
+    def find_jump_forward_string(self) -> str:
+        """The longest string every valid continuation starts with ("" when none is forced)."""
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens."""
+        raise NotImplementedError(f"{type(self).__name__} does not support rollback")
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Back to the initial state."""
+
+
+class CompiledGrammar(ABC):
+    """A spec compiled for one tokenizer; cheap to make matchers from, shareable across threads."""
+
+    spec: GrammarSpec
+    backend_name: str
+
+    @abstractmethod
+    def new_matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the initial state."""
+
+
+class GrammarBackend(ABC):
+    """Compiles specs for one tokenizer vocabulary. Raises GrammarError on a spec it cannot
+    compile (invalid or unsupported), naming the problem."""
+
+    name: str
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile one spec."""

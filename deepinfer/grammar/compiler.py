@@ -1,0 +1,185 @@
+"""GrammarCompiler: one per (tokenizer, model vocab); compiles specs once, with fallback.
+
+The tokenizer's vocabulary is processed once per instance; backends are created on first use.
+`compile(spec)` is cached by spec (kind, text), failures included, so a batch of 10,000
+requests sharing one schema compiles it once. It is thread-safe: concurrent calls for the same
+spec wait for a single compilation; different specs compile in parallel.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Callable, Mapping
+
+import tokenizers
+
+from deepinfer.errors import GrammarError
+from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
+from deepinfer.grammar.spec import GrammarSpec, spec_of
+from deepinfer.grammar.vocab import TokenizerVocab
+
+BACKEND_NAMES = ("xgrammar", "outlines")
+_ALIASES = {"outlines-core": "outlines", "outlines_core": "outlines"}
+BackendFactory = Callable[[TokenizerVocab], GrammarBackend]
+
+
+def _default_factories(strict_json: bool) -> dict[str, BackendFactory]:
+    def xgrammar(vocab: TokenizerVocab) -> GrammarBackend:
+        from deepinfer.grammar.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(vocab, strict_json=strict_json)
+
+    def outlines(vocab: TokenizerVocab) -> GrammarBackend:
+        from deepinfer.grammar.outlines_backend import OutlinesBackend
+
+        return OutlinesBackend(vocab)
+
+    return {"xgrammar": xgrammar, "outlines": outlines}
+
+
+class _Pending:
+    """A compilation in flight: other threads wait on `done`."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: tuple[CompiledGrammar, str] | None = None
+        self.error: GrammarError | None = None
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs for one tokenizer.
+
+    hf_tokenizer: a tokenizers.Tokenizer; vocab_size: the model's logits width (may exceed the
+    tokenizer's length; extra ids are never allowed); stop_token_ids: tokens allowed exactly when
+    the grammar can terminate. backend: "xgrammar" (default) or "outlines"; with fallback=True a
+    spec the primary backend rejects is tried on the other, and `compile` reports which served.
+    `backends` maps names to factories (TokenizerVocab -> GrammarBackend) to add or replace them.
+    strict_json (xgrammar): schemas forbid undeclared properties (see XGrammarBackend).
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: tokenizers.Tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        backend: str = "xgrammar",
+        fallback: bool = True,
+        backends: Mapping[str, BackendFactory] | None = None,
+        strict_json: bool = True,
+    ):
+        self._factories = _default_factories(strict_json)
+        self._factories.update(backends or {})
+        backend = _ALIASES.get(backend, backend)
+        if backend not in self._factories:
+            raise GrammarError(f"unknown grammar backend {backend!r}; expected one of {sorted(self._factories)}")
+        self.backend_name = backend
+        self.fallback = fallback
+        self.vocab = TokenizerVocab.from_tokenizer(hf_tokenizer, vocab_size, list(stop_token_ids))
+        self.tokenizer = hf_tokenizer
+        self._backends: dict[str, GrammarBackend] = {}
+        self._backend_errors: dict[str, GrammarError] = {}
+        self._cache: dict[GrammarSpec, _Pending] = {}
+        self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()
+        #: counters: compiles (backend compile calls), cache_hits, fallbacks, failures, and
+        #: served_<backend> per backend that served a compiled spec
+        self.stats: Counter[str] = Counter()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.vocab_size
+
+    @property
+    def token_bytes(self) -> list[bytes | None]:
+        """Bytes of every token id (None for special and padding ids)."""
+        return self.vocab.token_bytes
+
+    def _order(self) -> list[str]:
+        if not self.fallback:
+            return [self.backend_name]
+        return [self.backend_name] + [n for n in self._factories if n != self.backend_name]
+
+    def get_backend(self, name: str) -> GrammarBackend:
+        """The named backend for this vocabulary, created once."""
+        with self._backend_lock:
+            if name in self._backend_errors:
+                raise self._backend_errors[name]
+            be = self._backends.get(name)
+            if be is None:
+                try:
+                    be = self._factories[name](self.vocab)
+                except GrammarError as e:
+                    self._backend_errors[name] = e
+                    raise
+                except Exception as e:  # a backend that cannot start is a grammar failure
+                    err = GrammarError(f"grammar backend {name} unavailable: {e}")
+                    self._backend_errors[name] = err
+                    raise err from e
+                self._backends[name] = be
+            return be
+
+    def compile(self, spec: GrammarSpec | object) -> tuple[CompiledGrammar, str]:
+        """(compiled grammar, name of the backend that compiled it); cached by spec.
+
+        Accepts a GrammarSpec or an object with constraint attributes (SamplingParams).
+        Raises GrammarError naming each backend's reason when none can compile the spec.
+        """
+        spec = spec_of(spec)
+        if spec is None:
+            raise GrammarError("no constraint given: nothing to compile")
+        with self._lock:
+            pending = self._cache.get(spec)
+            owner = pending is None
+            if owner:
+                pending = self._cache[spec] = _Pending()
+            else:
+                self.stats["cache_hits"] += 1
+        if owner:
+            try:
+                pending.result = self._compile_uncached(spec)
+            except GrammarError as e:
+                pending.error = e
+            except BaseException as e:  # interrupted: wake waiters, do not cache the crash
+                with self._lock:
+                    self._cache.pop(spec, None)
+                pending.error = GrammarError(f"grammar compilation interrupted: {e!r}")
+                pending.done.set()
+                raise
+            pending.done.set()
+        else:
+            pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        assert pending.result is not None
+        return pending.result
+
+    def _compile_uncached(self, spec: GrammarSpec) -> tuple[CompiledGrammar, str]:
+        errors: list[str] = []
+        order = self._order()
+        for i, name in enumerate(order):
+            try:
+                be = self.get_backend(name)
+                with self._lock:
+                    self.stats["compiles"] += 1
+                compiled = be.compile(spec)
+            except GrammarError as e:
+                errors.append(f"{name}: {e}")
+                continue
+            except Exception as e:  # a backend bug must not hide behind another backend silently
+                errors.append(f"{name}: unexpected {type(e).__name__}: {e}")
+                continue
+            with self._lock:
+                self.stats[f"served_{name}"] += 1
+                if i > 0:
+                    self.stats["fallbacks"] += 1
+            return compiled, name
+        with self._lock:
+            self.stats["failures"] += 1
+        if len(errors) == 1:
+            raise GrammarError(errors[0])
+        raise GrammarError(f"no grammar backend can compile this {spec.kind} spec: " + "; ".join(errors))
+
+    def new_matcher(self, spec: GrammarSpec | object):
+        """Shortcut: a fresh matcher for spec (compiled through the cache)."""
+        return self.compile(spec)[0].new_matcher()

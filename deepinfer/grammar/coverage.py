@@ -1,0 +1,128 @@
+"""Measure how much of JSONSchemaBench the grammar layer covers.
+
+Per file: declared coverage (share of schemas that compile), valid-instance acceptance (share
+of the valid test instances whose json.dumps text the compiled grammar accepts: every token
+accepted and the matcher can terminate afterwards) and invalid-instance rejection (the share of
+invalid instances it does not accept). Instances are tokenised with the compiler's tokenizer, so
+the measure covers tokenisation effects too.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from deepinfer.errors import GrammarError
+from deepinfer.grammar.backend import CompiledGrammar
+from deepinfer.grammar.compiler import GrammarCompiler
+from deepinfer.grammar.spec import GrammarSpec, spec_from_params
+
+BENCH_FILES = ("Glaiveai2K.jsonl", "Github_easy.jsonl", "Handwritten.jsonl")
+
+
+@dataclass
+class FileCoverage:
+    """Coverage figures for one JSONSchemaBench file (or a sample of it)."""
+
+    name: str
+    schemas: int = 0
+    compiled: int = 0
+    valid_total: int = 0
+    valid_accepted: int = 0
+    invalid_total: int = 0
+    invalid_rejected: int = 0
+    compile_seconds: float = 0.0
+    served_by: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def declared_coverage(self) -> float:
+        return self.compiled / self.schemas if self.schemas else 0.0
+
+    @property
+    def valid_acceptance(self) -> float:
+        return self.valid_accepted / self.valid_total if self.valid_total else 0.0
+
+    @property
+    def invalid_rejection(self) -> float:
+        return self.invalid_rejected / self.invalid_total if self.invalid_total else 0.0
+
+    def row(self) -> str:
+        return (
+            f"{self.name:<20} schemas {self.schemas:4d}  declared {self.declared_coverage:6.1%}  "
+            f"valid accepted {self.valid_accepted:4d}/{self.valid_total:<4d} {self.valid_acceptance:6.1%}  "
+            f"invalid rejected {self.invalid_rejected:4d}/{self.invalid_total:<4d} {self.invalid_rejection:6.1%}  "
+            f"compile {self.compile_seconds:6.1f}s  served {dict(self.served_by)}"
+        )
+
+
+def load_bench_file(path: str | Path) -> list[dict[str, Any]]:
+    """The records of one JSONSchemaBench .jsonl file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def text_accepted(compiled: CompiledGrammar, token_ids: Iterable[int]) -> bool:
+    """Whether a fresh matcher accepts every token and can terminate afterwards."""
+    m = compiled.new_matcher()
+    for t in token_ids:
+        if not m.accept_token(t):
+            return False
+    return m.can_terminate()
+
+
+def schema_spec(schema: Any) -> GrammarSpec:
+    """The spec of a bench schema (GrammarError if it is not a usable schema at all)."""
+    return spec_from_params(json_schema=schema)
+
+
+def measure_records(
+    compiler: GrammarCompiler, records: list[dict[str, Any]], name: str = "records"
+) -> FileCoverage:
+    """Coverage of a list of bench records with one compiler."""
+    cov = FileCoverage(name)
+    for rec in records:
+        cov.schemas += 1
+        t0 = time.perf_counter()
+        try:
+            compiled, served = compiler.compile(schema_spec(rec["schema"]))
+        except GrammarError as e:
+            cov.failures.append(f"{rec.get('id', cov.schemas)}: {str(e)[:160]}")
+            continue
+        finally:
+            cov.compile_seconds += time.perf_counter() - t0
+        cov.compiled += 1
+        cov.served_by[served] += 1
+        for test in rec.get("tests", []):
+            ids = compiler.tokenizer.encode(json.dumps(test["data"]), add_special_tokens=False).ids
+            ok = text_accepted(compiled, ids)
+            if test["valid"]:
+                cov.valid_total += 1
+                cov.valid_accepted += ok
+            else:
+                cov.invalid_total += 1
+                cov.invalid_rejected += not ok
+    return cov
+
+
+def measure_file(
+    compiler: GrammarCompiler, path: str | Path, limit: int | None = None, seed: int = 0
+) -> FileCoverage:
+    """Coverage of one bench file; with limit, of a seeded random sample of `limit` schemas."""
+    records = load_bench_file(path)
+    if limit is not None and limit < len(records):
+        records = random.Random(seed).sample(records, limit)
+    return measure_records(compiler, records, Path(path).name)
+
+
+def measure_bench(
+    compiler: GrammarCompiler, bench_dir: str | Path, limit: int | None = None, seed: int = 0
+) -> list[FileCoverage]:
+    """Coverage of every bench file present in bench_dir."""
+    bench_dir = Path(bench_dir)
+    return [measure_file(compiler, bench_dir / f, limit, seed) for f in BENCH_FILES if (bench_dir / f).exists()]

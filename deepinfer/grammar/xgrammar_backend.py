@@ -1,0 +1,162 @@
+"""xgrammar backend: JSON schemas, EBNF, regex and choices (the default backend)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import xgrammar as xgr
+
+from deepinfer.errors import GrammarError
+from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from deepinfer.grammar.spec import GrammarSpec
+from deepinfer.grammar.vocab import VOCAB_BYTE_FALLBACK, VOCAB_BYTE_LEVEL, TokenizerVocab
+
+_VOCAB_TYPES = {VOCAB_BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL, VOCAB_BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK}
+
+# Whitespace between JSON elements is free (any JSON whitespace) but bounded, so a sampled
+# model cannot spin on newlines forever; 16 still fits indented output.
+MAX_JSON_WHITESPACE = 16
+_PROBLEM = {"regex": "invalid regex", "json_schema": "invalid JSON schema", "json_object": "invalid JSON schema",
+            "ebnf": "invalid EBNF", "choices": "invalid choices"}
+
+
+def _ebnf_literal(s: str) -> str:
+    """A double-quoted EBNF string literal matching exactly s."""
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif o < 0x20 or o == 0x7F:
+            out.append(f"\\x{o:02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def choices_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar over exactly the given strings."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def drop_false_properties(schema):
+    """A copy of schema without optional properties whose schema is `false` (the key may not
+    appear). xgrammar rejects such schemas outright ("Schema 'false' cannot accept any value").
+    Exact under strict mode or additionalProperties: false; otherwise the key becomes an
+    ordinary additional property (a slight over-approximation)."""
+    if isinstance(schema, list):
+        return [drop_false_properties(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: drop_false_properties(v) for k, v in schema.items()}
+    props = schema.get("properties")
+    if isinstance(props, dict):
+        required = set(schema.get("required") or [])
+        out["properties"] = {
+            k: drop_false_properties(v) for k, v in props.items() if not (v is False and k not in required)
+        }
+    return out
+
+
+class XGrammarMatcher(GrammarMatcher):
+    """Thin wrapper over xgrammar.GrammarMatcher."""
+
+    supports_rollback = True
+
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._m.accept_token(int(token_id)))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def can_terminate(self) -> bool:
+        return bool(self._m.is_completed())
+
+    def find_jump_forward_string(self) -> str:
+        return self._m.find_jump_forward_string()
+
+    def rollback(self, n: int) -> None:
+        self._m.rollback(int(n))
+
+    def reset(self) -> None:
+        self._m.reset()
+
+
+class XGrammarCompiled(CompiledGrammar):
+    backend_name = "xgrammar"
+
+    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar):
+        self.spec = spec
+        self.compiled = compiled
+
+    def new_matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self.compiled)
+
+
+class XGrammarBackend(GrammarBackend):
+    """Compiles every spec kind with xgrammar for one TokenizerVocab."""
+
+    name = "xgrammar"
+
+    def __init__(self, vocab: TokenizerVocab, max_threads: int = 2, strict_json: bool = True):
+        """strict_json: schemas forbid properties/items they do not declare (xgrammar's default
+        strict mode). Measured ~50x faster to compile than JSON Schema's default semantics
+        (additional properties allowed, which needs an any-JSON sub-grammar) and keeps models on
+        the declared fields; its outputs always validate, but instances with undeclared extra
+        properties are rejected. json_object mode is never strict (it means any object)."""
+        self.strict_json = strict_json
+        info = xgr.TokenizerInfo(
+            vocab.encoded,
+            _VOCAB_TYPES.get(vocab.vocab_type, xgr.VocabType.RAW),
+            vocab_size=vocab.vocab_size,
+            stop_token_ids=list(vocab.stop_token_ids),
+            add_prefix_space=vocab.add_prefix_space,
+        )
+        # xgrammar's own cache is off: GrammarCompiler caches compiled specs itself.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
+        try:
+            if spec.kind in ("json_schema", "json_object"):
+                cg = self._compile_schema(spec)
+            elif spec.kind == "regex":
+                cg = self._compiler.compile_regex(spec.text)
+            elif spec.kind == "ebnf":
+                cg = self._compiler.compile_grammar(spec.text)
+            elif spec.kind == "choices":
+                cg = self._compiler.compile_grammar(choices_ebnf(json.loads(spec.text)))
+            else:  # GrammarSpec validates kinds; kept for new kinds
+                raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError with a parser message
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            # drop xgrammar's "[time] file.cc:line: " prefix, keep the parser's message
+            msg = msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
+            raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (xgrammar): {msg}") from e
+        return XGrammarCompiled(spec, cg)
+
+    def _compile_schema(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        text = spec.text
+        if '"properties"' in text and "false" in text:
+            text = json.dumps(drop_false_properties(json.loads(text)))
+        strict = self.strict_json and spec.kind == "json_schema"
+        try:
+            return self._compiler.compile_json_schema(
+                text, any_whitespace=True, strict_mode=strict, max_whitespace_cnt=MAX_JSON_WHITESPACE
+            )
+        except Exception:
+            if not strict:
+                raise
+        # strict mode can make a schema unsatisfiable (e.g. minProperties above the declared
+        # properties): such a schema needs its undeclared properties, so compile it non-strict
+        return self._compiler.compile_json_schema(
+            text, any_whitespace=True, strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
+        )

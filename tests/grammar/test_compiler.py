@@ -1,0 +1,145 @@
+"""GrammarCompiler: caching, thread safety, fallback between backends, typed failures."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import xgrammar as xgr
+
+from deepinfer.errors import GrammarError
+from deepinfer.grammar import GrammarBackend, GrammarCompiler, spec_from_params
+from deepinfer.grammar.vocab import TokenizerVocab
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name"]}
+
+
+def test_batch_of_one_schema_compiles_once(smol):
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
+    served = {c.compile(spec_from_params(json_schema=dict(SCHEMA)))[1] for _ in range(10_000)}
+    assert served == {"xgrammar"}
+    assert c.stats["compiles"] == 1 and c.stats["cache_hits"] == 9_999
+    # an equal schema given as a JSON string is the same cache entry
+    c.compile(spec_from_params(json_schema=json.dumps(SCHEMA)))
+    assert c.stats["compiles"] == 1
+    c.compile(spec_from_params(regex="x+"))
+    assert c.stats["compiles"] == 2
+
+
+def test_concurrent_compiles_of_one_spec_compile_once(smol):
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
+    results, errors = [], []
+    barrier = threading.Barrier(8)
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            spec = spec_from_params(json_schema=SCHEMA) if i % 2 else spec_from_params(regex=r"[a-c]{1,4}")
+            results.append(c.compile(spec))
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert c.stats["compiles"] == 2 and c.stats["cache_hits"] == 6
+    assert len({id(r[0]) for r in results}) == 2  # every thread got one of the two shared grammars
+
+
+def test_fallback_from_an_injected_failing_backend(smol):
+    """With a failing backend first, the next one serves and stats say so; without fallback the
+    failing backend's error is raised."""
+    tok, stops = smol
+
+    class Broken(GrammarBackend):
+        name = "broken"
+
+        def compile(self, spec):
+            raise GrammarError("broken backend: refuses everything")
+
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="broken", backends={"broken": lambda v: Broken()})
+    compiled, served = c.compile(spec_from_params(regex=r"[0-9]{2}"))
+    assert served == "xgrammar"
+    assert c.stats["fallbacks"] == 1 and c.stats["served_xgrammar"] == 1
+    m = compiled.new_matcher()
+    for t in tok.encode("42", add_special_tokens=False).ids:
+        assert m.accept_token(t)
+    assert m.can_terminate()
+
+    strict = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="broken", fallback=False,
+                             backends={"broken": lambda v: Broken()})
+    with pytest.raises(GrammarError, match="refuses everything"):
+        strict.compile(spec_from_params(regex=r"[0-9]{2}"))
+
+
+def test_regex_outlines_accepts_but_xgrammar_rejects_falls_back(smol):
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
+    pattern = r"\p{Greek}{2}"  # a Unicode class: Rust regex (outlines) has it, xgrammar does not
+    compiled, served = c.compile(spec_from_params(regex=pattern))
+    assert served == "outlines" and c.stats["fallbacks"] == 1
+    m = compiled.new_matcher()
+    for t in tok.encode("αβ", add_special_tokens=False).ids:
+        assert m.accept_token(t)
+    assert m.can_terminate()
+
+
+def test_none_can_compile_names_every_backend(compiler):
+    with pytest.raises(GrammarError) as e:
+        compiler.compile(spec_from_params(regex="(unclosed"))
+    msg = str(e.value)
+    assert "xgrammar" in msg and "outlines" in msg and "invalid regex" in msg
+    assert compiler.stats["failures"] >= 1
+
+
+def test_ebnf_falls_back_from_outlines_to_xgrammar(smol):
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="outlines-core")
+    _, served = c.compile(spec_from_params(grammar='root ::= "a" | "b"'))
+    assert served == "xgrammar"
+
+
+def test_bad_constructor_arguments(smol):
+    tok, stops = smol
+    with pytest.raises(GrammarError, match="unknown grammar backend"):
+        GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="nope")
+    with pytest.raises(GrammarError, match="smaller than the tokenizer"):
+        GrammarCompiler(tok, 100, stops)
+    with pytest.raises(GrammarError, match="stop_token_ids"):
+        GrammarCompiler(tok, tok.get_vocab_size(), [10**7])
+    with pytest.raises(GrammarError, match="tokenizers.Tokenizer"):
+        GrammarCompiler("not a tokenizer", 10, [])
+    with pytest.raises(GrammarError, match="nothing to compile"):
+        GrammarCompiler(tok, tok.get_vocab_size(), stops).compile(None)
+
+
+@pytest.mark.parametrize("which", ["smol_tok", "deepseek_tok"])
+def test_token_bytes_agree_with_xgrammar(request, which):
+    """Our byte decoding of the vocabulary equals xgrammar's own for both tokenizers."""
+    tok = request.getfixturevalue(which)
+    v = TokenizerVocab.from_tokenizer(tok, tok.get_vocab_size() + 3, [])
+    info = xgr.TokenizerInfo(v.encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=v.vocab_size)
+    decoded = info.decoded_vocab
+    mismatches = [i for i, b in enumerate(v.token_bytes) if b is not None and decoded[i] != b]
+    assert not mismatches[:5]
+    assert v.token_bytes[-1] is None  # padding ids are not tokens
+
+
+def test_129k_vocab_compiles_and_walks(deepseek_tok):
+    tok = deepseek_tok
+    eos = tok.token_to_id("<｜end▁of▁sentence｜>")
+    assert eos is not None
+    c = GrammarCompiler(tok, tok.get_vocab_size() + 64, [eos])
+    compiled, _ = c.compile(spec_from_params(regex=r"(red|green|blue)-[0-9]{2}"))
+    m = compiled.new_matcher()
+    for t in tok.encode("green-42", add_special_tokens=False).ids:
+        assert m.accept_token(t)
+    assert m.can_terminate() and m.accept_token(eos) and m.is_terminated()
+    m2 = compiled.new_matcher()
+    assert not m2.accept_token(tok.encode("purple", add_special_tokens=False).ids[0])
