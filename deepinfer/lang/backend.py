@@ -1,0 +1,93 @@
+"""The engine adapter: the only file of deepinfer.lang that calls the engine.
+
+The runtime needs the engine's step-level API (add_request / step / abort / has_unfinished) and
+its tokenizer; everything goes through `EngineBackend`, so wiring a different engine means
+changing this file only. Also holds the process-wide default backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Iterable
+
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.lang.chat_template import RoleFormat, analyze_chat_template
+
+_ids = itertools.count()
+
+
+class EngineBackend:
+    """Wraps one engine for the program runtime: token helpers plus request submission/stepping."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._role_format: RoleFormat | None = None
+        # ids that end generation: the engine may add the model config's to the tokenizer's
+        eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        eos += list(getattr(engine, "eos_token_ids", None) or [])
+        self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in eos)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        self.bos_token_id: int | None = bos if getattr(self.tokenizer, "add_bos", False) else None
+
+    # ---------------------------------------------------------------- tokenizer
+    @property
+    def role_format(self) -> RoleFormat:
+        """Per-role chat text, derived from the tokenizer's chat template on first use."""
+        if self._role_format is None:
+            self._role_format = analyze_chat_template(self.tokenizer)
+        return self._role_format
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # ---------------------------------------------------------------- requests
+    @staticmethod
+    def make_params(**fields: Any) -> SamplingParams:
+        """SamplingParams from keyword fields (raises InvalidRequestError for bad values)."""
+        return SamplingParams(**fields)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        """Submit one request with a fresh id; raises the engine's InvalidRequestError/GrammarError."""
+        rid = f"lang-{next(_ids)}"
+        self.engine.add_request(list(prompt_ids), params, request_id=rid)
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # already finished or unknown: nothing left to abort
+            pass
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished())
+
+
+_default_engine: Any = None
+_default_lock = threading.Lock()
+
+
+def set_default_backend(engine: Any) -> None:
+    """Make `engine` the one programs run on when run/run_batch/arun get no `backend=`."""
+    global _default_engine
+    with _default_lock:
+        _default_engine = engine
+
+
+def get_default_backend() -> Any:
+    """The default engine; the first call without one set builds `deepinfer.Engine()`."""
+    global _default_engine
+    with _default_lock:
+        if _default_engine is None:
+            import deepinfer  # lazily: building the default engine loads a model
+
+            _default_engine = deepinfer.Engine()
+        return _default_engine

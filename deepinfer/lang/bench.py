@@ -1,0 +1,112 @@
+"""Frontend-overhead micro-benchmark: microseconds of runtime work per gen call.
+
+Runs a batch of small chat programs on the instant FakeEngine, so nearly all time is the
+frontend (greenlet switches, state updates, tokenisation of appended text, request
+bookkeeping). The engine's own time is measured separately and subtracted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from deepinfer.lang.api import assistant, gen, system, user
+from deepinfer.lang.function import function
+from deepinfer.lang.testing import FakeEngine
+
+
+class _TimedEngine:
+    """Forwards to an engine, accumulating the seconds spent inside it."""
+
+    def __init__(self, engine: Any) -> None:
+        self._e = engine
+        self.tokenizer = engine.tokenizer
+        self.seconds = 0.0
+
+    def _timed(self, fn, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def add_request(self, *a, **kw):
+        return self._timed(self._e.add_request, *a, **kw)
+
+    def step(self):
+        return self._timed(self._e.step)
+
+    def abort(self, rid):
+        return self._e.abort(rid)
+
+    def has_unfinished(self):
+        return self._e.has_unfinished()
+
+
+@function
+def _bench_program(s, i, turns):
+    s += system("You are a helpful assistant.")
+    for t in range(turns):
+        s += user(f"Question {i}.{t}: what is the answer?")
+        s += assistant(gen(f"a{t}", max_tokens=8))
+
+
+def frontend_overhead_us(n_programs: int = 500, gens_per_program: int = 4, max_in_flight: int = 256,
+                         tokens_per_step: int = 64) -> dict[str, float]:
+    """Run n_programs x gens_per_program gens on the FakeEngine; report us per gen call.
+
+    Returns {"gens", "wall_s", "engine_s", "us_per_gen_total", "us_per_gen_frontend"}
+    (frontend = wall minus the time spent inside the fake engine).
+    """
+    engine = _TimedEngine(FakeEngine(tokens_per_step=tokens_per_step))
+    batch = [{"i": i, "turns": gens_per_program} for i in range(n_programs)]
+    t0 = time.perf_counter()
+    states = _bench_program.run_batch(batch, backend=engine, max_in_flight=max_in_flight, temperature=0.0)
+    wall = time.perf_counter() - t0
+    failed = [s.error() for s in states if not s.ok]
+    if failed:
+        raise RuntimeError(f"benchmark programs failed: {failed[0]!r}")
+    gens = n_programs * gens_per_program
+    return {
+        "gens": float(gens),
+        "wall_s": wall,
+        "engine_s": engine.seconds,
+        "us_per_gen_total": wall / gens * 1e6,
+        "us_per_gen_frontend": (wall - engine.seconds) / gens * 1e6,
+    }
+
+
+@function
+def _shared_prefix_program(s, system_prompt, question, max_tokens):
+    s += system(system_prompt)
+    s += user(question)
+    s += assistant(gen("answer", max_tokens=max_tokens))
+
+
+def prefix_sharing_comparison(engine: Any, questions: list[str], system_prompt: str, max_tokens: int = 16,
+                              **sampling: Any) -> dict[str, dict[str, float]]:
+    """Run the same batch with share_prefix on and off on `engine` (e.g. a real Engine).
+
+    Returns per mode {"wall_s", "cached_tokens", "prompt_tokens"}; the engine's prefix cache is
+    reset before each run when it offers `reset_prefix_cache`.
+    """
+    batch = [{"system_prompt": system_prompt, "question": q, "max_tokens": max_tokens} for q in questions]
+    result = {}
+    for share in (True, False):
+        reset = getattr(engine, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+        t0 = time.perf_counter()
+        states = _shared_prefix_program.run_batch(batch, backend=engine, share_prefix=share, **sampling)
+        wall = time.perf_counter() - t0
+        metas = [st.get_meta_info("answer") for st in states if st.ok]
+        result["share_prefix" if share else "no_share"] = {
+            "wall_s": wall,
+            "cached_tokens": float(sum(m["num_cached_tokens"] for m in metas)),
+            "prompt_tokens": float(sum(m["prompt_tokens"] for m in metas)),
+        }
+    return result
+
+
+if __name__ == "__main__":
+    print(frontend_overhead_us())

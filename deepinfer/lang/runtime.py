@@ -1,0 +1,351 @@
+"""The program runtime: many programs, one engine, one thread.
+
+Each program runs in its own greenlet inside one runtime thread per engine. A program runs until
+it must wait for a result (it reads a variable, forks, joins or ends while requests are out),
+then switches back to the scheduler loop, which
+
+  1. admits new programs while each batch has fewer than its window in flight,
+  2. resumes every ready program until it waits again or ends,
+  3. releases the static-prefix gate of batches that asked for prefix sharing,
+  4. submits every pending request to the engine (keeping its continuous batch full),
+  5. steps the engine and routes each incremental output to its op; finished ops update their
+     state, and programs whose awaited states became idle are ready again.
+
+run/run_batch/arun from any thread (or event loop) hand batches to this thread; results come
+back through concurrent futures (wrapped for asyncio by `arun`). Threads stay at one per engine,
+memory at the window of live greenlets, however many programs a batch holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import greenlet
+
+from deepinfer.errors import ProgramError
+from deepinfer.lang.backend import EngineBackend
+from deepinfer.lang.ops import Op, PrefixOp
+
+
+@dataclass
+class RuntimeStats:
+    """Counters for tests and benchmarks."""
+
+    programs: int = 0
+    max_active_programs: int = 0
+    requests: int = 0
+    prefix_requests: int = 0
+    steps: int = 0
+    max_outstanding_requests: int = 0
+
+
+class Program:
+    """One program invocation: its function, arguments, states and greenlet."""
+
+    def __init__(self, runtime: "Runtime", batch: "Batch", index: int, args: tuple, kwargs: dict) -> None:
+        from deepinfer.lang.state import ProgramState
+
+        self.runtime, self.batch, self.index = runtime, batch, index
+        self.backend = runtime.backend
+        self.func, self.args, self.kwargs = batch.func, args, kwargs
+        self.defaults, self.stream = batch.defaults, batch.stream
+        self.cv = threading.Condition()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.greenlet: greenlet.greenlet | None = None
+        self.waiting: list[Any] | None = None
+        self.states: list[Any] = []
+        self.state = ProgramState(self)
+
+    def body(self) -> None:
+        try:
+            self.func(self.state, *self.args, **self.kwargs)
+            # the program returned: finish what it left in flight (forks included); a fork's
+            # failure surfaces where the program reads that fork, the root's failure here
+            self.runtime.wait(self, list(self.states))
+            if self.state._error is not None:
+                raise self.state._error
+        except Exception as e:  # captured per program, never aborts the batch
+            self.error = e
+
+
+class Batch:
+    """Programs submitted together: the window bounds how many are live at once."""
+
+    def __init__(self, func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict, window: int,
+                 share_prefix: bool, stream: bool) -> None:
+        self.func, self.jobs, self.defaults = func, jobs, defaults
+        self.window, self.stream = max(1, int(window)), stream
+        self.n = len(jobs)
+        self.next = 0
+        self.active = 0
+        self.finished = 0
+        self.programs: list[Program | None] = [None] * self.n
+        self.futures: list[Future] = [Future() for _ in range(self.n)]
+        self.gate = "collect" if share_prefix and self.n > 1 else "open"
+        self.held: list[tuple] = []
+        self.prefix_ids: list[int] | None = None
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    first = min(seqs, key=len)
+    n = len(first)
+    for s in seqs:
+        i = 0
+        while i < n and s[i] == first[i]:
+            i += 1
+        n = i
+        if n == 0:
+            break
+    return first[:n]
+
+
+class Runtime:
+    """Scheduler for all programs on one engine (see the module docstring)."""
+
+    def __init__(self, engine: Any, min_shared_prefix: int = 8) -> None:
+        self.backend = EngineBackend(engine)
+        self.min_shared_prefix = min_shared_prefix
+        self.stats = RuntimeStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._incoming: list[Batch] = []
+        self._batches: list[Batch] = []
+        self._ready: deque[Program] = deque()
+        self._to_submit: list[tuple] = []
+        self._reqs: dict[str, tuple[Op, Any]] = {}
+        self._thread: threading.Thread | None = None
+        self._glet: greenlet.greenlet | None = None
+
+    # ------------------------------------------------------------------ entry (any thread)
+    def submit(self, func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict, *, window: int = 256,
+               share_prefix: bool = False, stream: bool = False) -> Batch:
+        """Queue a batch of program invocations; returns at once (see Batch.futures)."""
+        if self.in_loop_thread():
+            raise ProgramError(
+                "run/run_batch/arun cannot be called inside a running program; call the other "
+                "function directly instead: other(s, ...)"
+            )
+        batch = Batch(func, jobs, defaults, window, share_prefix, stream)
+        if stream:  # the caller needs the state object now, to iterate its text
+            for i in range(batch.n):
+                batch.programs[i] = Program(self, batch, i, *jobs[i])
+        with self._lock:
+            self._incoming.append(batch)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._main, name="deepinfer-lang", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return batch
+
+    def in_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    # ------------------------------------------------------------------ called by states / ops
+    def enqueue(self, op: Op) -> None:
+        """Queue an op's requests for the next submission round."""
+        batch = op.state._prog.batch
+        for tag, prompt, params in op.requests():
+            self._to_submit.append((op, tag, prompt, params, batch))
+
+    def wait(self, prog: Program, states: list[Any]) -> None:
+        """Suspend `prog` (from its own greenlet) until every state in `states` is idle."""
+        while not all(st._idle() for st in states):
+            prog.waiting = states
+            self._glet.switch()
+        prog.waiting = None
+
+    def state_idle(self, state: Any) -> None:
+        """A state finished its queue: wake its program if that is all it waited for."""
+        prog = state._prog
+        if prog.waiting is not None and all(st._idle() for st in prog.waiting):
+            prog.waiting = None
+            self._ready.append(prog)
+
+    def open_gate(self, batch: Batch) -> None:
+        """Let a batch's held requests through (its shared prefix is cached, or sharing is off)."""
+        if batch.gate != "open":
+            batch.gate = "open"
+            self._to_submit.extend(batch.held)
+            batch.held = []
+
+    # ------------------------------------------------------------------ the loop
+    def _main(self) -> None:
+        self._glet = greenlet.getcurrent()
+        try:
+            self._loop()
+        except BaseException as e:  # a runtime bug: fail every caller rather than hang them
+            err = ProgramError(f"the program runtime crashed: {type(e).__name__}: {e}")
+            for b in self._batches + self._incoming:
+                for f in b.futures:
+                    if not f.done():
+                        f.set_exception(err)
+            raise
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._batches.extend(self._incoming)
+                self._incoming.clear()
+                if not self._batches:
+                    self._wake.wait()
+                    continue
+            self._admit()
+            self._run_ready()
+            self._submit()  # gated batches' requests land in their `held` list here
+            self._release_gates()
+            if self._ready or self._to_submit:
+                continue
+            if self._reqs:
+                self._step()
+            elif any(b.active for b in self._batches):
+                self._fail_stuck()
+            self._batches = [b for b in self._batches if b.finished < b.n]
+
+    def _admit(self) -> None:
+        for b in self._batches:
+            while b.active < b.window and b.next < b.n:
+                i = b.next
+                b.next += 1
+                b.active += 1
+                prog = b.programs[i] or Program(self, b, i, *b.jobs[i])
+                b.programs[i] = prog
+                b.jobs[i] = None  # the arguments now live in the program
+                prog.greenlet = greenlet.greenlet(prog.body, parent=self._glet)
+                self._ready.append(prog)
+                self.stats.programs += 1
+        active = sum(b.active for b in self._batches)
+        self.stats.max_active_programs = max(self.stats.max_active_programs, active)
+
+    def _run_ready(self) -> None:
+        while self._ready:
+            prog = self._ready.popleft()
+            prog.greenlet.switch()
+            if prog.greenlet.dead:
+                self._finish(prog)
+
+    def _finish(self, prog: Program) -> None:
+        for st in prog.states:  # an error ended the program: drop what it left in flight
+            if st._op is not None:
+                self._cancel(st._op)
+                st._op = None
+            st._queue.clear()
+        prog.greenlet = None
+        b = prog.batch
+        b.active -= 1
+        b.finished += 1
+        b.programs[prog.index] = None  # the state keeps what the caller needs
+        with prog.cv:
+            prog.done.set()
+            prog.cv.notify_all()
+        b.futures[prog.index].set_result(prog.state)
+
+    def _release_gates(self) -> None:
+        """Prefix sharing: once a batch's first wave waits on its first requests, submit their
+        longest common token prefix once (prefill only) and hold the rest until it is cached."""
+        for b in self._batches:
+            if b.gate != "collect" or b.next < min(b.window, b.n):
+                continue
+            prompts = [e[2] for e in b.held if not e[0].cancelled]
+            lcp = _common_prefix(prompts) if len(prompts) >= 2 else []
+            if len(lcp) < self.min_shared_prefix:
+                self.open_gate(b)
+                continue
+            b.gate = "prefix"
+            b.prefix_ids = lcp
+            op = PrefixOp(self, b, lcp)
+            self.stats.prefix_requests += 1
+            for tag, prompt, params in op.requests():
+                self._add((op, tag, prompt, params, b))
+
+    def _submit(self) -> None:
+        entries, self._to_submit = self._to_submit, []
+        for e in entries:
+            if e[0].cancelled:
+                continue
+            if e[4].gate != "open":
+                e[4].held.append(e)
+                continue
+            self._add(e)
+
+    def _add(self, entry: tuple) -> None:
+        op, tag, prompt, params, _ = entry
+        if op.cancelled:
+            return
+        try:
+            rid = self.backend.add_request(prompt, params)
+        except Exception as exc:  # InvalidRequestError / GrammarError: belongs to this program
+            self._fail_op(op, exc)
+            return
+        op.rids.append(rid)
+        self._reqs[rid] = (op, tag)
+        self.stats.requests += 1
+        self.stats.max_outstanding_requests = max(self.stats.max_outstanding_requests, len(self._reqs))
+
+    def _cancel(self, op: Op) -> None:
+        op.cancelled = True
+        for rid in op.rids:
+            if self._reqs.pop(rid, None) is not None:
+                self.backend.abort(rid)
+
+    def _fail_op(self, op: Op, exc: BaseException) -> None:
+        if op.cancelled:
+            return
+        self._cancel(op)
+        op.fail(exc)
+
+    def _step(self) -> None:
+        self.stats.steps += 1
+        try:
+            outs = self.backend.step()
+        except Exception as exc:  # the engine failed: every request in flight fails with it
+            err = ProgramError(f"engine step failed: {type(exc).__name__}: {exc}")
+            for op in {id(op): op for op, _ in self._reqs.values()}.values():
+                self._fail_op(op, err)
+            return
+        for out in outs:
+            entry = self._reqs.get(out.request_id)
+            if entry is None:
+                continue  # aborted or foreign request
+            if out.finished:
+                del self._reqs[out.request_id]
+            op, tag = entry
+            if op.cancelled:
+                continue
+            try:
+                op.on_output(tag, out)
+            except Exception as exc:
+                self._fail_op(op, exc)
+        if not outs and self._reqs and not self.backend.has_unfinished():
+            err = ProgramError("the engine has no unfinished requests but programs still wait on some")
+            for op in {id(op): op for op, _ in self._reqs.values()}.values():
+                self._fail_op(op, err)
+
+    def _fail_stuck(self) -> None:
+        """Programs wait but nothing is in flight: a runtime bug; fail them instead of hanging."""
+        for b in self._batches:
+            for prog in b.programs:
+                if prog is not None and prog.waiting is not None:
+                    for st in prog.waiting:
+                        if not st._idle():
+                            st._set_error(ProgramError("internal: waited on a state with nothing in flight"))
+                    prog.waiting = None
+                    self._ready.append(prog)
+
+
+_runtimes: dict[int, tuple[Any, Runtime]] = {}
+_runtimes_lock = threading.Lock()
+
+
+def get_runtime(engine: Any) -> Runtime:
+    """The (single) runtime of `engine`, created on first use."""
+    with _runtimes_lock:
+        hit = _runtimes.get(id(engine))
+        if hit is None or hit[0] is not engine:
+            hit = (engine, Runtime(engine))
+            _runtimes[id(engine)] = hit
+        return hit[1]
