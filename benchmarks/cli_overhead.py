@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--kv-cache-mib", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2, help="alternate (a) and (b) this often; best time counts")
     args = ap.parse_args()
 
     import deepinfer as di
@@ -57,19 +58,21 @@ def main() -> None:
     rows = [json.loads(l) for l in open(inp)]
     extract.run_batch([{"text": rows[0]["text"]}], backend=engine, **sampling)  # warm-up
 
-    engine.reset_prefix_cache()
-    t = time.perf_counter()
-    states = extract.run_batch([{"text": r["text"]} for r in rows], backend=engine,
-                               max_in_flight=args.batch_size, **sampling)
-    rb_s = time.perf_counter() - t
-    rb_tok = tokens_of(states)
-    rb_fail = sum(not st.ok for st in states)
+    rb_s = job_s = float("inf")
+    for rep in range(args.repeats):  # alternate, so machine-load drift hits both alike
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        states = extract.run_batch([{"text": r["text"]} for r in rows], backend=engine,
+                                   max_in_flight=args.batch_size, **sampling)
+        rb_s = min(rb_s, time.perf_counter() - t)
+        rb_tok = tokens_of(states)
+        rb_fail = sum(not st.ok for st in states)
 
-    engine.reset_prefix_cache()
-    opts = JobOptions(input=inp, output=os.path.join(tmp, "job.jsonl"), batch_size=args.batch_size,
-                      sampling=sampling, progress=False)
-    summary = run_job(extract, opts, engine)
-    job_s, job_tok = summary.elapsed_s, summary.tokens
+        engine.reset_prefix_cache()
+        opts = JobOptions(input=inp, output=os.path.join(tmp, f"job{rep}.jsonl"), batch_size=args.batch_size,
+                          sampling=sampling, progress=False)
+        summary = run_job(extract, opts, engine)
+        job_s, job_tok = min(job_s, summary.elapsed_s), summary.tokens
 
     out = os.path.join(tmp, "cli.jsonl")
     cmd = [sys.executable, "-m", "deepinfer", "run", os.path.join(ROOT, "examples", "extract.py") + ":extract",
@@ -84,7 +87,8 @@ def main() -> None:
     cli_s, cli_rps, cli_tps = float(m[2]), float(m[3]), float(m[4])
 
     n = args.records
-    print(f"{n} records, batch {args.batch_size}, max_tokens {args.max_tokens} (failed in run_batch: {rb_fail})")
+    print(f"{n} records, batch {args.batch_size}, max_tokens {args.max_tokens}, best of {args.repeats} "
+          f"(failed in run_batch: {rb_fail}); machine load inflates every figure")
     print(f"  run_batch          : {rb_s:7.2f}s  {n / rb_s:6.2f} rec/s  {rb_tok / rb_s:7.1f} tok/s")
     print(f"  run_job in-process : {job_s:7.2f}s  {n / job_s:6.2f} rec/s  {job_tok / job_s:7.1f} tok/s"
           f"  overhead {100 * (1 - (n / job_s) / (n / rb_s)):+.1f}% (rec/s)")

@@ -42,7 +42,13 @@ import torch
 
 from deepinfer.errors import InvalidRequestError
 
-CPU_SCHEME = "ttiles"  # bi_matmul's CPU default (see bi_matmul)
+CPU_SCHEME = "ttiles"  # bi_matmul's CPU default with more than 2 threads (see bi_matmul)
+
+
+def cpu_scheme() -> str:
+    """"tpad16" (one GEMM, much faster for prefill) where it is invariant: at 1-2 torch threads;
+    "ttiles" above that, where MKL's partition of the batch changes with its size."""
+    return "tpad16" if torch.get_num_threads() <= 2 else CPU_SCHEME
 ATTN_M_MULTIPLE = 16  # attention query rows (the GEMMs' N) are padded to a multiple of this
 CUDA_M_TILE = 64  # rows per GEMM on CUDA ("tiles" scheme)
 SPLIT = 256  # keys per attention split
@@ -80,7 +86,7 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, scheme: str | None = None) -> to
     if x.shape[-1] != w.shape[-1] or w.dim() != 2:
         raise InvalidRequestError(f"bi_matmul shape mismatch: x {tuple(x.shape)} vs w {tuple(w.shape)} (want w [N, K])")
     if scheme is None:
-        scheme = "tiles" if x.is_cuda else CPU_SCHEME
+        scheme = "tiles" if x.is_cuda else cpu_scheme()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m, n = x2.shape[0], w.shape[0]

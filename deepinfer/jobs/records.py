@@ -1,0 +1,105 @@
+"""Stream input records (JSON lines) into program arguments, one line at a time.
+
+A record's id is its `id` field when it has one, else its 1-based line number. A line that is
+not a JSON object, or lacks a program argument, becomes a Record with `error` set (the job
+writes an error record for it and goes on).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from deepinfer.jobs.errors import JobUsageError
+from deepinfer.jobs.program import ProgramSignature
+
+
+@dataclass
+class Record:
+    """One input line: its position, id and the program's arguments (or why there are none)."""
+
+    seq: int  # 0-based index among the records of this input (blank lines are not records)
+    line: int  # 1-based line number in the file
+    id: Any
+    kwargs: dict[str, Any] | None
+    error: str | None = None
+
+
+def id_key(record_id: Any) -> str:
+    """A hashable, type-exact key for an id (1 and "1" are different ids)."""
+    return json.dumps(record_id, sort_keys=True, ensure_ascii=False)
+
+
+def parse_map(items: list[str] | None) -> dict[str, str]:
+    """`--map old=new` options as {input field: program argument}."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            raise JobUsageError(f"--map needs OLD=NEW (input field = program argument), got {item!r}")
+        if old in out:
+            raise JobUsageError(f"--map renames field {old!r} twice")
+        out[old] = new
+    return out
+
+
+def check_mapping(sig: ProgramSignature, mapping: dict[str, str], field: str | None) -> None:
+    """Fail before the model loads when --map/--field name arguments the program does not take."""
+    targets = list(mapping.values()) + ([field] if field else [])
+    if not sig.var_keyword:
+        for t in targets:
+            if t not in sig.names:
+                raise JobUsageError(f"the program has no argument {t!r} (it takes: {', '.join(sig.names) or 'none'})")
+    if field and mapping:
+        raise JobUsageError("--field passes each whole line as one argument; it cannot be combined with --map")
+
+
+def to_record(seq: int, line_no: int, raw: str, sig: ProgramSignature, mapping: dict[str, str],
+              field: str | None) -> Record:
+    """Parse one non-blank line into a Record (never raises for bad data)."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return Record(seq, line_no, line_no, None, f"line {line_no} is not valid JSON: {e}")
+    rid = obj.get("id", line_no) if isinstance(obj, dict) else line_no
+    if field is not None:
+        return Record(seq, line_no, rid, {field: obj})
+    if not isinstance(obj, dict):
+        return Record(seq, line_no, rid, None,
+                      f"line {line_no} is a JSON {type(obj).__name__}, not an object of program arguments")
+    fields = {mapping.get(k, k): v for k, v in obj.items()}
+    missing = [n for n in sig.required if n not in fields]
+    if missing:
+        return Record(seq, line_no, rid, None,
+                      f"record lacks program argument(s) {', '.join(map(repr, missing))} "
+                      f"(its fields: {', '.join(sorted(obj)) or 'none'})")
+    kwargs = fields if sig.var_keyword else {k: v for k, v in fields.items() if k in sig.names}
+    return Record(seq, line_no, rid, kwargs)
+
+
+def iter_records(path: str, sig: ProgramSignature, mapping: dict[str, str] | None = None,
+                 field: str | None = None, limit: int | None = None) -> Iterator[Record]:
+    """Records of a JSON-lines file, read lazily (the file is never held in memory)."""
+    mapping = mapping or {}
+    seq = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if limit is not None and seq >= limit:
+                return
+            if not raw.strip():
+                continue
+            yield to_record(seq, line_no, raw, sig, mapping, field)
+            seq += 1
+
+
+def count_records(path: str, limit: int | None = None) -> int:
+    """Number of non-blank lines (for the progress bar's total), streamed."""
+    n = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                n += 1
+                if limit is not None and n >= limit:
+                    break
+    return n

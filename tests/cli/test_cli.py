@@ -1,0 +1,98 @@
+"""`deepinfer run` end to end on the default model, in subprocesses (small max_tokens)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+PROGS = os.path.join(HERE, "progs.py")
+
+
+def cli(*args, timeout=240):
+    cmd = [sys.executable, "-m", "deepinfer", "run", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def write_records(path, n, extra=()):
+    lines = [json.dumps({"id": f"k{i}", "text": f"What is {i} plus {i}?"}) for i in range(n)]
+    path.write_text("\n".join(list(lines) + list(extra)) + "\n")
+
+
+def results(path):
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def test_invalid_program_fails_fast_before_the_model_loads(tmp_path):
+    write_records(tmp_path / "in.jsonl", 1)
+    # a missing model would fail on load: the program error coming back shows nothing was loaded
+    for spec, msg in [(f"{PROGS}:nope", "no function 'nope'"), ("missing_file.py:f", "does not exist")]:
+        t = time.monotonic()
+        r = cli(spec, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+                "--model", str(tmp_path / "no_model.gguf"))
+        assert r.returncode == 2, r.stderr
+        assert msg in r.stderr and "ModelLoadError" not in r.stderr
+        assert time.monotonic() - t < 60
+        assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_usage_errors_exit_2(tmp_path):
+    write_records(tmp_path / "in.jsonl", 1)
+    (tmp_path / "o.jsonl").write_text('{"id": "k0"}\n')
+    r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"))
+    assert r.returncode == 2 and "--resume" in r.stderr
+    r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"))  # no --output
+    assert r.returncode == 2 and "--output" in r.stderr
+
+
+def test_run_ordered_with_bad_lines(tmp_path):
+    write_records(tmp_path / "in.jsonl", 5, extra=["not json", json.dumps({"id": "nofield"})])
+    r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+            "--ordered", "--temperature", "0", "--max-tokens", "3", "--kv-cache-memory", "128")
+    assert r.returncode == 1, r.stderr  # some records failed
+    assert "7 records (5 ok, 2 failed)" in r.stderr
+    out = results(tmp_path / "o.jsonl")
+    assert [o["id"] for o in out] == [f"k{i}" for i in range(5)] + [6, "nofield"]
+    for o in out[:5]:
+        assert o["ok"] and 1 <= len(o["variables"]["answer"]) and o["variables"]["tag"] == "x"
+    assert not out[5]["ok"] and "not valid JSON" in out[5]["error"]
+    assert not out[6]["ok"] and "'text'" in out[6]["error"]
+
+
+def test_kill_9_then_resume_writes_every_record_once(tmp_path):
+    n = 24
+    write_records(tmp_path / "in.jsonl", n)
+    out = tmp_path / "o.jsonl"
+    args = [f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--batch-size", "1",
+            "--max-tokens", "4", "--temperature", "0", "--kv-cache-memory", "128", "--log-interval", "0.5"]
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer", "run", *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the job finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = out.read_text()
+    n_before = first.count("\n")
+    assert 3 <= n_before < n
+    with open(out, "a") as f:  # as if the kill landed mid-write
+        f.write('{"id": "k' + str(n - 1) + '", "ok": tr')
+    r = cli(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "half-written" in r.stderr and f"{n_before} skipped" in r.stderr
+    ids = [o["id"] for o in results(out)]
+    assert sorted(ids) == sorted(f"k{i}" for i in range(n)) and len(ids) == n
+    assert out.read_text().startswith(first)  # earlier results untouched
+    assert "rec/s" in r.stderr and "tok/s" in r.stderr  # plain log lines when not a terminal
