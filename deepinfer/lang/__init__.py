@@ -1,6 +1,6 @@
 """The program DSL: `@function` programs of gen/select/roles/fork run as batched engine requests.
 
-See README_LOWERING.md for how programs lower to engine requests.
+See docs/ARCHITECTURE.md ("deepinfer/lang") for the IR and how programs lower to engine requests.
 """
 
 from deepinfer.lang.api import (
