@@ -502,13 +502,13 @@ class Engine:
         from deepinfer.grammar import allocate_token_bitmask, apply_token_bitmask_
 
         t = time.perf_counter()
-        bitmask = allocate_token_bitmask(len(rows), logits.shape[1])
-        for j, i in enumerate(rows):
+        bitmask = allocate_token_bitmask(len(seqs), logits.shape[1])  # row i belongs to logits row i
+        for i in rows:
             seq = seqs[i]
             if seq.next_mask is not None and seq.next_mask_step == step_id:
-                bitmask[j] = seq.next_mask[0]  # filled while this step's forward ran
+                bitmask[i] = seq.next_mask[0]  # filled while this step's forward ran
             else:
-                seq.matcher.fill_bitmask(bitmask, j)
+                seq.matcher.fill_bitmask(bitmask, i)
             seq.next_mask = None
         apply_token_bitmask_(logits, bitmask, rows=rows)
         self.stats.record_grammar(time.perf_counter() - t, len(rows))
