@@ -54,6 +54,10 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_hidden_layers)]
         self.linear = torch.nn.functional.linear
+        if device.type == "cpu":
+            from deepinfer.engine.cpu_linear import cpu_linear
+
+            self.linear = cpu_linear  # batch-invariant mode replaces it with its own
         self.attention_fn = None
         self.kernels = config.kernels
         self.decode_kernel = None
