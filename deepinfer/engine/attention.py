@@ -62,15 +62,17 @@ def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float
     elif nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, ctx.decode_gather_idx, ctx.decode_valid, scale)
     for c in ctx.prefills:
-        qs = q[c.q_start : c.q_start + c.q_len]
-        if c.gather_idx is None:
-            ks = k[c.q_start : c.q_start + c.q_len]
-            vs = v[c.q_start : c.q_start + c.q_len]
-        else:
-            ks = k_cache.index_select(0, c.gather_idx)
-            vs = v_cache.index_select(0, c.gather_idx)
+        qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache)
         out[c.q_start : c.q_start + c.q_len] = prefill_attention(qs, ks, vs, scale)
     return out
+
+
+def chunk_qkv(c: PrefillChunk, q, k, v, k_cache, v_cache):
+    """A prefill chunk's queries and the keys/values of its whole context (cached prefix + chunk)."""
+    qs = q[c.q_start : c.q_start + c.q_len]
+    if c.gather_idx is None:  # the chunk is the whole context: its own new keys
+        return qs, k[c.q_start : c.q_start + c.q_len], v[c.q_start : c.q_start + c.q_len]
+    return qs, k_cache.index_select(0, c.gather_idx), v_cache.index_select(0, c.gather_idx)
 
 
 def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
@@ -125,12 +127,6 @@ def paged_attention_batch_invariant(q, k, v, k_cache, v_cache, ctx: ForwardConte
         V = v_cache[ctx.decode_gather_idx.reshape(-1)].view(B, L, Hkv, D)
         out[:nd] = bi_attention_decode(q[:nd], K, V, ctx.decode_valid.sum(1), scale=scale)
     for c in ctx.prefills:
-        qs = q[c.q_start : c.q_start + c.q_len]
-        if c.gather_idx is None:
-            ks = k[c.q_start : c.q_start + c.q_len]
-            vs = v[c.q_start : c.q_start + c.q_len]
-        else:
-            ks = k_cache.index_select(0, c.gather_idx)
-            vs = v_cache.index_select(0, c.gather_idx)
+        qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache)
         out[c.q_start : c.q_start + c.q_len] = bi_attention(qs, ks, vs, scale=scale, causal_offset=c.ctx_len - c.q_len)
     return out
