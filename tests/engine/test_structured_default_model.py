@@ -4,6 +4,7 @@ and a sample of the real-world JSONSchemaBench schemas produces valid output (em
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 import re
 
@@ -82,9 +83,7 @@ def test_bad_constraint_fails_only_its_request(default_engine):
 
 
 def test_empirical_coverage_on_jsonschemabench_sample(default_engine):
-    from conftest import SHARED
-
-    bench = SHARED / "jsonschemabench"
+    bench = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "jsonschemabench"
     if not bench.exists():
         pytest.skip(f"{bench} not found (../shared is absent)")
     prompts, params, schemas = [], [], []
