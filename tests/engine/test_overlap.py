@@ -78,7 +78,7 @@ def test_overlap_equals_sync_on_mixed_workloads(tiny_models, constrained, kv_mem
         if kv_memory < 1 << 20:
             assert eng.stats.num_preemptions > 0
         if overlap:
-            assert eng.stats.wait_time >= 0 and eng.stats.num_steps > 0
+            assert eng.stats.wait_time > 0  # the engine thread did wait on worker forwards
     _same(results[False], results[True], skip=(1, 7))
 
 
