@@ -19,7 +19,7 @@ How each op is made invariant:
   fixed-tile GEMM with a ones vector (CUDA reductions choose their layout from the row count).
 * ``bi_softmax`` / ``bi_log_softmax``: torch's last-dim kernels already process each row on its
   own (checked by the tests, CPU and CUDA).
-* ``bi_attention``: keys are processed in fixed splits of ``SPLIT`` (256) keys aligned to key 0;
+* ``bi_attention``: keys are processed in fixed splits of ``SPLIT`` (64; smaller splits pad short decode contexts less, measured 0.53 -> 0.75 of default throughput at batch 32) keys aligned to key 0;
   each split's scores and P@V are GEMMs whose fixed operand (the split's keys / values) is M and
   whose query rows (padded to a multiple of 16) are N, and the splits are merged strictly left
   to right with log-sum-exp rescaling. A split holding no key a query may see changes nothing
@@ -51,7 +51,7 @@ def cpu_scheme() -> str:
     return "tpad16" if torch.get_num_threads() <= 2 else CPU_SCHEME
 ATTN_M_MULTIPLE = 16  # attention query rows (the GEMMs' N) are padded to a multiple of this
 CUDA_M_TILE = 64  # rows per GEMM on CUDA ("tiles" scheme)
-SPLIT = 256  # keys per attention split
+SPLIT = 64  # keys per attention split
 
 
 def _round_up(n: int, m: int) -> int:
@@ -174,7 +174,7 @@ def _split_attention(
     n_split = k.shape[-2] // SPLIT
     ks = k.reshape(*bdims, n_split, SPLIT, d)
     vs = v.reshape(*bdims, n_split, SPLIT, d)
-    # GEMMs are laid out with the fixed-size operand (a split's 256 keys / values) as M and the
+    # GEMMs are laid out with the fixed-size operand (a split's SPLIT keys / values) as M and the
     # query rows as N (as in bi_matmul: a column's bits do not depend on how many columns there
     # are, from 16 up): scores^T = K_s @ Q^T  [SPLIT, Mp]
     scores = torch.matmul(ks, qg.unsqueeze(-3).transpose(-1, -2)).transpose(-1, -2).contiguous()
