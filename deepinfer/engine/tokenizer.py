@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import tokenizers
 
+from deepinfer.engine.json_file import read_json_object
 from deepinfer.errors import InvalidRequestError, ModelLoadError
 
 # Tokens that end a turn in common chat formats. They count as end-of-generation ids when the model's
@@ -114,7 +115,7 @@ class Tokenizer:
             hf = tokenizers.Tokenizer.from_file(str(tj))
         except Exception as e:  # the Rust side raises a bare Exception on malformed JSON
             raise ModelLoadError(f"cannot parse {tj}: {e}") from e
-        cfg = _read_json(d / _TOKENIZER_CONFIG) if (d / _TOKENIZER_CONFIG).is_file() else {}
+        cfg = read_json_object(d / _TOKENIZER_CONFIG) if (d / _TOKENIZER_CONFIG).is_file() else {}
         template = _pick_chat_template(cfg.get("chat_template"))
         if (d / _CHAT_TEMPLATE_FILE).is_file():
             template = (d / _CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
@@ -125,7 +126,7 @@ class Tokenizer:
         extra: list[int] = [int(i) for i in cfg.get("deepinfer_eos_token_ids", [])]
         gen = d / "generation_config.json"
         if gen.is_file():
-            eos = _read_json(gen).get("eos_token_id")
+            eos = read_json_object(gen).get("eos_token_id")
             extra += [eos] if isinstance(eos, int) else [int(i) for i in (eos or [])]
         return cls(
             hf,
@@ -300,16 +301,6 @@ class IncrementalDetokenizer:
 
 
 # ---------------------------------------------------------------------- helpers
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
-    return data
-
-
 def _pick_chat_template(value: Any) -> str | None:
     """tokenizer_config.json holds one template string, or a list of {name, template}; take 'default'."""
     if isinstance(value, str):

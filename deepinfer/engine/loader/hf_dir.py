@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from deepinfer.engine.json_file import read_json_object
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.errors import ModelLoadError
@@ -16,22 +16,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Parse a JSON object file, with a ModelLoadError naming `what` and the path on any problem."""
-    if not path.is_file():
-        raise ModelLoadError(f"no {what} at {path}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {what} {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{what} {path} must hold a JSON object")
-    return data
-
-
 def read_config(model_dir: Path) -> ModelConfig:
     """ModelConfig of an HF directory's config.json."""
-    cfg = read_json(model_dir / "config.json", "config.json")
+    cfg = read_json_object(model_dir / "config.json", "config.json")
     try:
         return ModelConfig.from_hf_config(cfg)
     except ModelLoadError as e:
@@ -56,7 +43,7 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         tensors = _load_safetensors(single)
     elif index.is_file():
-        weight_map = read_json(index, "safetensors index").get("weight_map")
+        weight_map = read_json_object(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index} has no 'weight_map'")
         tensors = {}
