@@ -53,27 +53,14 @@ def token_hashes(vocab_size: int, device: torch.device | str = "cpu") -> torch.T
     return t
 
 
-def uniform_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform floats in (0, 1), shape [B, V], from int64 row keys [B]: u = (h >> 8 + 0.5) / 2**24."""
-    th = token_hashes(vocab_size, keys.device)
-    h = hash32_t(keys[:, None] ^ th[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
-
-
-def gumbel_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise -log(-log(u)), shape [B, V], fp32."""
-    u = uniform_from_keys(keys, vocab_size)
-    return -torch.log(-torch.log(u))
-
-
 # --------------------------------------------------------------------------------------------
 # Portable noise: bit-identical on torch CPU, torch CUDA, and the C / CUDA sampling kernels.
 #
-# gumbel_from_keys above goes through torch.log, whose last bit differs between torch's CPU
-# (SLEEF, vector vs. scalar tail), CUDA's logf and a C compiler's libm (about 7% of float32
-# inputs differ by one ulp here), so a kernel cannot reproduce it bit for bit. It also maps
-# h >> 8 == 2**24 - 1 to u == 1.0 (the + 0.5 rounds up), which makes that token's noise +inf.
-# The portable variant below fixes both: u uses 23 bits so (k + 0.5) is exact and u < 1, and
+# Gumbel noise through torch.log would not do: its last bit differs between torch's CPU (SLEEF,
+# vector vs. scalar tail), CUDA's logf and a C compiler's libm (about 7% of float32 inputs differ
+# by one ulp here), so a kernel could not reproduce it bit for bit; and a 24-bit uniform
+# ((h >> 8) + 0.5) / 2**24 rounds up to 1.0 for the top value, making that token's noise +inf.
+# The portable noise below avoids both: u uses 23 bits so (k + 0.5) is exact and u < 1, and
 # log is a fixed sequence of IEEE float32 operations (+, -, *, / and bit casts), each rounded
 # once, which every backend evaluates the same way. kernels/tl_math.py is its TileLang twin;
 # any change here must be made there too (tests/kernels checks them against each other
@@ -149,7 +136,7 @@ def gumbel_portable_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tens
     """Portable Gumbel noise [B, V] fp32 from int64 row keys [B] (see row_key).
 
     Token j of a row with key K gets hash32(K ^ hash32(j + 0x9E3779B9)), the same per-token
-    hash as gumbel_from_keys; only the float maths differs (see the section comment).
+    hash for every backend (see the section comment).
     """
     th = token_hashes(vocab_size, keys.device)
     h = hash32_t(keys.to(torch.int64)[:, None] ^ th[None, :])
