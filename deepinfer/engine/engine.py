@@ -173,23 +173,33 @@ class Engine:
             request_id = f"req-{next(self._arrival)}"
         elif request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        arrival = next(self._arrival)
-        seed = params.seed if params.seed is not None else rng.hash32(self.config.seed ^ rng.hash32(arrival))
-        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival=arrival, rng_seed=seed)
-        if params.constrained:
-            self._attach_grammar(seq)  # raises GrammarError for an invalid spec, before queueing
-        from deepinfer.engine.tokenizer import IncrementalDetokenizer
-
-        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        if params.logprobs is not None:
-            seq.logprobs = []
-        if params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None] * len(ids)
+        seq = self._new_sequence(request_id, ids, params)  # raises GrammarError before queueing
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_requests += 1
         self.stats.prompt_tokens += len(ids)
         return request_id
+
+    def _new_sequence(
+        self, request_id: str | None, ids: list[int], params: SamplingParams, fork_of: str | None = None
+    ) -> Sequence:
+        """A Sequence with its seed, grammar matcher, detokenizer and logprob lists (not yet queued).
+        A fork child (request_id None) is named after its parent and its unique arrival number."""
+        from deepinfer.engine.tokenizer import IncrementalDetokenizer
+
+        arrival = next(self._arrival)
+        if request_id is None:
+            request_id = f"{fork_of}.fork-{arrival}"
+        seed = params.seed if params.seed is not None else rng.hash32(self.config.seed ^ rng.hash32(arrival))
+        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival=arrival, rng_seed=seed)
+        if params.constrained:
+            self._attach_grammar(seq)  # raises GrammarError for an invalid spec
+        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(ids)
+        return seq
 
     def _attach_grammar(self, seq: Sequence) -> None:
         from deepinfer.grammar import GrammarCompiler, spec_from_params
@@ -233,19 +243,7 @@ class Engine:
         decoding = parent.status == SeqStatus.RUNNING and parent.num_computed_tokens == len(tokens) - 1
         if not decoding:
             return [self.add_request(tokens, p) for p in plist]
-        children = []
-        for p in plist:
-            arrival = next(self._arrival)
-            seed = p.seed if p.seed is not None else rng.hash32(self.config.seed ^ rng.hash32(arrival))
-            child = Sequence(f"{request_id}.fork-{arrival}", list(tokens), p, arrival, seed)
-            if p.constrained:
-                self._attach_grammar(child)
-            from deepinfer.engine.tokenizer import IncrementalDetokenizer
-
-            child.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens)
-            child.logprobs = [] if p.logprobs is not None else None
-            child.prompt_logprobs = [None] * len(tokens) if p.prompt_logprobs is not None else None
-            children.append(child)
+        children = [self._new_sequence(None, list(tokens), p, fork_of=request_id) for p in plist]
         if not self.kv.fork(parent, children, self.runner.copy_kv_tokens):
             # no blocks for the copied partial pages right now: fall back to plain requests
             return [self.add_request(tokens, p) for p in plist]
