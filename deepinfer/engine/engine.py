@@ -491,7 +491,10 @@ class Engine:
         banned: list[int] = []
         if n_out < p.min_tokens:
             banned = sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
-        return SamplingRow(p, seq.rng_seed, position, seq.prompt_token_ids, seq.output_token_ids[:n_out], banned)
+        # only the penalties read the output so far: don't copy it every step for rows without them
+        penalised = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        out = seq.output_token_ids[:n_out] if penalised else []
+        return SamplingRow(p, seq.rng_seed, position, seq.prompt_token_ids, out, banned)
 
     def _apply_grammar_masks(self, logits: torch.Tensor, seqs: list[Sequence], step_id: int = -1) -> None:
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
