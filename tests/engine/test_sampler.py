@@ -1,0 +1,53 @@
+"""Sampler pieces on crafted logits: penalties, filters, bans, and the seeded draw."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from deepinfer import SamplingParams
+from deepinfer.engine.sampler import Sampler, SamplingRow, apply_penalties, inverse_cdf_sample, row_uniforms
+
+
+def _row(params, prompt=(), output=(), banned=(), seed=0, position=0):
+    return SamplingRow(params, seed, position, list(prompt), list(output), list(banned))
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    apply_penalties(logits, [_row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])])
+    # HF semantics: positive logits divided, negative multiplied, only for seen tokens
+    assert logits.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    apply_penalties(logits, [_row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), output=[2, 2, 3])])
+    assert logits.tolist() == [[1.0, 1.0, 1.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25]]
+
+
+def test_bans_and_filters_keep_draws_inside_the_allowed_set():
+    s = Sampler()
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]]).repeat(200, 1)
+    rows = [_row(SamplingParams(temperature=1.0, top_k=2), banned=[0], seed=i) for i in range(200)]
+    toks = s.sample(logits.clone(), rows).tolist()
+    # top-2 of {1,2,3,4} after banning 0 -> only 1 and 2 can be drawn, and both are
+    assert set(toks) == {1, 2}
+    rows = [_row(SamplingParams(temperature=1.0, top_p=0.5), seed=i) for i in range(200)]
+    assert set(s.sample(logits.clone(), rows).tolist()) == {0}  # token 0 alone holds > 50%
+    rows = [_row(SamplingParams(temperature=1.0, min_p=0.3), seed=i) for i in range(200)]
+    assert set(s.sample(logits.clone(), rows).tolist()) == {0, 1}  # e^-1 = 0.37 >= 0.3 > e^-2
+
+
+def test_inverse_cdf_draw_matches_the_distribution_and_depends_only_on_its_key():
+    x = torch.tensor([[0.0, 1.0, 2.0, float("-inf")]])
+    n = 20000
+    counts = collections.Counter(int(inverse_cdf_sample(x, row_uniforms([k], "cpu"))[0]) for k in range(n))
+    p = torch.softmax(x, -1)[0].tolist()
+    assert counts[3] == 0
+    for t in range(3):
+        assert abs(counts[t] / n - p[t]) < 0.015
+    # the same key draws the same token whatever else is in the batch
+    many = torch.randn(16, 4)
+    many[5] = x[0]
+    keys = list(range(100, 116))
+    alone = inverse_cdf_sample(x, row_uniforms([keys[5]], "cpu"))[0]
+    assert inverse_cdf_sample(many, row_uniforms(keys, "cpu"))[5] == alone
