@@ -42,10 +42,7 @@ class KVCacheManager:
         """How many leading tokens the radix cache holds (read-only: no split, no LRU touch)."""
         if self.radix is None:
             return 0
-        peek = getattr(self.radix, "peek_prefix_len", None)
-        if peek is not None:
-            return peek(tokens)
-        return _peek(self.radix, tokens)
+        return self.radix.peek_prefix_len(tokens)
 
     # ---- admission ----------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -165,22 +162,3 @@ class KVCacheManager:
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-
-def _peek(radix, tokens: list[int]) -> int:
-    """Read-only longest cached prefix (whole pages) of tokens."""
-    if not radix.enabled:
-        return 0
-    p = radix.page_size
-    limit = len(tokens) - len(tokens) % p
-    node, pos = radix.root, 0
-    while pos < limit:
-        child = node.children.get(radix._page_key(tokens, pos))
-        if child is None:
-            break
-        pages = radix._common_pages(child.key, tokens[:limit], pos)
-        pos += pages * p
-        if pages * p < len(child.key):
-            break
-        node = child
-    return pos
