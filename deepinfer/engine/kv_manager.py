@@ -159,6 +159,3 @@ class KVCacheManager:
                 child.block_table.append(extra[i])
             child.num_computed_tokens = nc
         return True
-
-    def slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

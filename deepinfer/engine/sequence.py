@@ -41,7 +41,6 @@ class Sequence:
     text: str = ""
     reported_tokens: int = 0  # output tokens already handed to the caller
     reported_text: int = 0  # chars of text already handed to the caller
-    forced_tokens: list[int] = field(default_factory=list)  # jump-forward tokens to feed before sampling
     num_preemptions: int = 0
     counted: bool = False  # its cache hit is in the engine stats
     placeholders: list[int] = field(default_factory=list)  # ids of steps whose sample is still pending
