@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass
@@ -38,7 +37,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     grammar_backend: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

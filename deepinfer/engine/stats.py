@@ -28,7 +28,6 @@ class EngineStats:
     first_forward_start: float = 0.0
     last_forward_end: float = 0.0
     grammar_step_samples: list = field(default_factory=list)  # grammar seconds per constrained token, per step (last 100k)
-    extra: dict = field(default_factory=dict)
 
     def record_grammar(self, seconds: float, rows: int) -> None:
         self.grammar_time += seconds
