@@ -1,6 +1,7 @@
 """The job runner's logic (records, resume, ordering, errors) on the instant FakeEngine."""
 
 import json
+import time
 import os
 
 import pytest
@@ -131,10 +132,24 @@ def test_limit_and_seed(tmp_path):
     assert len(set(seeds)) == 4 and None not in seeds
 
 
+class _SlowStepEngine(FakeEngine):
+    """Each step takes real time (sleeping releases the GIL), as a model's forward pass does, so the
+    submitting thread runs while programs are in flight: with an instant engine a program can finish
+    before the next is submitted, and the window would never fill."""
+
+    slow_steps = 0
+
+    def step(self):
+        time.sleep(0.003)
+        self.slow_steps += 1
+        return super().step()
+
+
 def test_window_bounds_programs_in_flight(tmp_path):
     write_lines(tmp_path / "in.jsonl", records(40))
-    eng = FakeEngine()
+    eng = _SlowStepEngine(tokens_per_step=1)
     run_job(prog("echo"), opts(tmp_path, batch_size=5), eng)
+    assert eng.slow_steps > 0
     assert 1 < eng.max_running <= 5
 
 
