@@ -420,6 +420,7 @@ class Engine:
         for seq in deferred:
             self.kv.release(seq)
 
+    @torch.inference_mode()  # the logits are an inference tensor, modified in place (masks, penalties)
     def _sample(self, st: "_Step"):
         """Grammar masks and sampling for the sequences of a finished forward pass."""
         t0 = time.perf_counter()
@@ -434,8 +435,11 @@ class Engine:
         tokens = torch.zeros(st.num_slots, dtype=torch.long, device=result.logits.device)
         lps: list[TokenLogprob | None] = [None] * st.num_slots
         if active:
-            rows_idx = torch.tensor([result.sample_rows[i] for i in active], dtype=torch.long, device=result.logits.device)
-            logits = result.logits.index_select(0, rows_idx)
+            want = [result.sample_rows[i] for i in active]
+            if want == list(range(result.logits.shape[0])):
+                logits = result.logits  # the common case: every row, in order (no copy of [B, vocab])
+            else:
+                logits = result.logits.index_select(0, torch.tensor(want, dtype=torch.long, device=result.logits.device))
             seqs = [st.scheduled[i].seq for i in active]
             top_n = [seq.params.logprobs for seq in seqs]
             raw = logits.clone() if any(n is not None for n in top_n) else None
@@ -725,13 +729,10 @@ class Engine:
         from deepinfer.engine import batch_invariant as bi
         from deepinfer.engine.attention import paged_attention_batch_invariant
 
-        def linear(x, w, b=None):
-            y = bi.bi_matmul(x, w)
-            return y + b if b is not None else y
-
-        self.runner.linear = linear
+        # (the runner already chose an invariant linear: it knows the device and weights)
         self.runner.attention_fn = paged_attention_batch_invariant
-        self.runner.model.set_norm_impl(bi.bi_rmsnorm)
+        if self.runner.token_attention is None:  # else the runner's native norms (row by row) are kept
+            self.runner.model.set_norm_impl(bi.bi_rmsnorm)
 
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.attention import ForwardContext, PrefillChunk
+from deepinfer.engine.attention import ForwardContext, PrefillChunk, TokenAttentionInputs
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.registry import build_model
@@ -26,6 +26,12 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+# a prefill chunk with q_len * ctx_len up to this goes through the native kernel with the decodes
+# (one call instead of one SDPA per chunk); above it SDPA is faster (measured: equal at 20 x 20,
+# SDPA 1.9x at 64 x 64, 8x at 2048 x 2048)
+NATIVE_CHUNK_WORK = 4096
 
 
 @dataclass
@@ -53,20 +59,53 @@ class ModelRunner:
             mc.num_hidden_layers, 2, slots, mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=device
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_hidden_layers)]
-        self.linear = torch.nn.functional.linear
-        if device.type == "cpu":
-            from deepinfer.engine.cpu_linear import cpu_linear
-
-            self.linear = cpu_linear  # batch-invariant mode replaces it with its own
+        self.linear = self._select_linear()
         self.attention_fn = None
         self.kernels = config.kernels
         self.decode_kernel = None
+        self.token_attention = None  # deepinfer_kernels.native.token_attention when selected
+        self.token_attention_all = False  # every token through it (batch-invariant mode), not only short ones
         self._select_kernels()
+
+    def _select_linear(self):
+        """The projection op: prepacked oneDNN GEMMs on CPU fp32 (see cpu_linear.py); in the
+        batch-invariant mode the same, once verified invariant on this machine, else fixed tiles."""
+        import torch.nn.functional as F
+
+        from deepinfer.engine import batch_invariant as bi
+        from deepinfer.engine.cpu_linear import CpuLinear, packed_gemm_available
+
+        invariant = self.config.batch_invariant
+        on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if on_cpu_fp32 and self.config.cpu_prepack and packed_gemm_available():
+            weights, gated = self.model.linear_weights(), self.model.gated_weights()
+            lin = CpuLinear(weights, invariant=invariant, gated=gated)
+            if not invariant or lin.verify_invariance(weights + gated):
+                return lin
+            del lin  # not invariant with this oneDNN build / thread count: fall through
+        if not invariant:
+            return F.linear
+
+        def tiled(x, w, b=None):
+            y = bi.bi_matmul(x, w)
+            return y + b if b is not None else y
+
+        return tiled
 
     def _select_kernels(self) -> None:
         """Route ops to deepinfer_kernels where its dispatch picks TileLang for this device."""
         import deepinfer_kernels as K
+        from deepinfer_kernels import native
 
+        # native CPU attention (fp32): 4-8x faster than gathering for SDPA at decode (benchmarks/kernels.py),
+        # and batch-invariant by construction, so that mode runs every token through it
+        if (self.device.type == "cpu" and self.dtype == torch.float32 and self.kernels == "auto"
+                and native.available()):
+            self.token_attention = native.token_attention
+            self.token_attention_all = self.config.batch_invariant
+            # row-at-a-time norms in C: one call instead of ~7 torch ops, and invariant by construction
+            self.model.set_norm_impl(lambda x, w, eps: native.add_rmsnorm(x, None, w, eps)[0])
+            self.model.set_fused_add_norm(native.add_rmsnorm)
         if self.config.batch_invariant:
             return  # that mode uses its own invariant ops
         mc = self.model_config
@@ -138,8 +177,16 @@ class ModelRunner:
         positions = starts_t[row_seq] + offs
         slot_mapping = bt[row_seq, positions // bs] * bs + positions % bs
 
-        ctx = ForwardContext(slot_mapping=slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn)
-        if nd:
+        ctx = ForwardContext(slot_mapping=slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn,
+                             silu_mul=getattr(self.linear, "silu_mul", None))
+        if self.token_attention is not None:
+            ctx_lens = starts_t + lens_t
+            L = int(ctx_lens.max())
+            p = torch.arange(L)
+            ctx_idx = bt.gather(1, (p // bs).expand(len(scheduled), L).clamp(max=max_blocks - 1)) * bs + p % bs
+            ctx.token_attention = self.token_attention
+            ctx.tokens = TokenAttentionInputs(ctx_idx, row_seq, positions + 1, L)
+        if nd and self.token_attention is None:
             ctx_lens = starts_t[:nd] + 1
             L = int(ctx_lens.max())
             p = torch.arange(L)
@@ -156,11 +203,14 @@ class ModelRunner:
         q_start = nd
         for i in range(nd, len(scheduled)):
             nc, n = pos_starts[i], lens[i]
+            native = ctx.tokens is not None and (self.token_attention_all or n * (nc + n) <= NATIVE_CHUNK_WORK)
             gidx = None
-            if nc > 0:
+            if nc > 0 and not native:
                 p = torch.arange(nc + n)
                 gidx = (bt[i, p // bs] * bs + p % bs).to(dev)
-            ctx.prefills.append(PrefillChunk(q_start, n, nc + n, gidx))
+            if ctx.tokens is not None and not native:
+                ctx.tokens.lens[q_start : q_start + n] = 0  # left to SDPA
+            ctx.prefills.append(PrefillChunk(q_start, n, nc + n, gidx, native))
             q_start += n
 
         # rows whose logits are needed: the last row of every completing seq, all rows for prompt logprobs

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.impl = _torch_rmsnorm  # swapped for the batch-invariant version in that mode
-        self.fused_add = None  # deepinfer_kernels.fused_add_rmsnorm when that kernel is selected
+        self.fused_add = None  # fn(x, residual, weight, eps) -> (normed, x + residual) when a kernel is selected
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.impl(x, self.weight, self.eps)
@@ -67,26 +67,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """HF-style rotate-half rotary embedding with a precomputed cos/sin table."""
+    """HF-style rotate-half rotary embedding with a precomputed cos/sin table.
+
+    `tables(positions)` is computed once per forward and shared by every layer; `apply` rotates
+    with x * cos + roll(x, D/2) * sin_signed (= HF's x * cos + rotate_half(x) * sin, bitwise)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         inv = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.half = head_dim // 2
+        self.register_buffer("cos", torch.cat([cos, cos], -1), persistent=False)  # [P, D]
+        self.register_buffer("sin", torch.cat([-sin, sin], -1), persistent=False)  # sign of rotate_half folded in
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each [T, 1, D], for the tokens at `positions`."""
+        return (self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
+                self.sin.index_select(0, positions).unsqueeze(1).to(dtype))
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def apply(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, D] -> rotated copy."""
+        cos, sin = tables
+        return x * cos + x.roll(self.half, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -107,17 +111,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
 
-    def forward(self, positions, x, meta: ForwardContext, kv_cache) -> torch.Tensor:
+    def forward(self, rope, x, meta: ForwardContext, kv_cache) -> torch.Tensor:
         qkv = meta.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         T = x.shape[0]
-        q = q.reshape(T, self.n_heads, self.head_dim)
-        k = k.reshape(T, self.n_kv, self.head_dim)
-        v = v.reshape(T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent in the fused projection: rotate both heads at once
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim)
+            q, k = self.rotary.apply(qk, rope).split([self.n_heads, self.n_kv], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(T, self.n_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim))
+            q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
         k_cache, v_cache = kv_cache
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return meta.linear(o.reshape(T, self.q_size), self.o_weight, None)
@@ -131,9 +136,12 @@ class GatedMLP(nn.Module):
         self.down_weight = nn.Parameter(torch.empty(cfg.hidden_size, self.inter), requires_grad=False)
 
     def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
-        gu = meta.linear(x, self.gate_up_weight, None)
-        g, u = gu.split([self.inter, self.inter], dim=-1)
-        return meta.linear(F.silu(g) * u, self.down_weight, None)
+        if meta.silu_mul is not None:
+            h = meta.silu_mul(x, self.gate_up_weight)
+        else:
+            g, u = meta.linear(x, self.gate_up_weight, None).split([self.inter, self.inter], dim=-1)
+            h = F.silu(g) * u
+        return meta.linear(h, self.down_weight, None)
 
 
 class DecoderLayer(nn.Module):
@@ -144,13 +152,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, positions, x, residual, meta, kv_cache):
+    def forward(self, rope, x, residual, meta, kv_cache):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(positions, h, meta, kv_cache)
+        h = self.self_attn(rope, h, meta, kv_cache)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h, meta), residual
 
@@ -173,11 +181,25 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: ForwardContext, kv_caches) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary.tables(positions, x.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, meta, kv)
+            x, residual = layer(rope, x, residual, meta, kv)
         x, _ = self.norm.add_forward(x, residual)
         return x
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight that goes through ForwardContext.linear (the projections and the lm_head)."""
+        ws: list[torch.Tensor] = []
+        for layer in self.layers:
+            a = layer.self_attn
+            ws += [a.qkv_weight, a.o_weight, layer.mlp.down_weight]
+        ws.append(self.embed_tokens if self.lm_head is None else self.lm_head)
+        return [w.data for w in ws]
+
+    def gated_weights(self) -> list[torch.Tensor]:
+        """The stacked [gate; up] weights (through ForwardContext.silu_mul when set, else linear)."""
+        return [layer.mlp.gate_up_weight.data for layer in self.layers]
 
     def set_fused_add_norm(self, fn) -> None:
         """Use fn(x, residual, weight, eps) -> (normed, x + residual) for every residual-add norm."""

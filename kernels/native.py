@@ -1,0 +1,202 @@
+"""Native CPU kernels: C compiled at first use with the system's C compiler, called through ctypes.
+
+Why not TileLang's C target here: its CPU twins are scalar, single-threaded loops (0.3x of torch for
+decode attention, benchmarks/kernels.py). Attention over a paged cache with one token per row is a
+gather plus a few multiply-adds per byte; written directly in C with OpenMP it reads each key and
+value once, where torch must gather them into a copy first.
+
+The library is built with ``-O3 -march=native -fopenmp`` into a cache directory keyed by the source,
+the compiler and the CPU, and written atomically (parallel test workers may race to build it).
+``-fopenmp`` links ``libgomp.so.1``: the dynamic loader resolves it to the copy torch has already
+loaded, so these loops share torch's OpenMP thread pool and thread count.
+If no compiler is found or the build fails, ``load()`` returns None and callers use torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .errors import KernelInputError
+
+_SRCS = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DEEPINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "deepinfer")
+    return Path(root) / "native"
+
+
+def _build(cc: str) -> Path:
+    src = b"".join(p.name.encode() + p.read_bytes() for p in _SRCS)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(src + repr((version, _FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"deepinfer_native-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:2000]}")
+        os.replace(tmp, out)  # atomic: a concurrent builder's result is identical
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None (with one warning) if that fails."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        if cc is None:
+            warnings.warn("deepinfer_kernels.native: no C compiler found; using torch attention on CPU", stacklevel=2)
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
+            warnings.warn(f"deepinfer_kernels.native: build failed, using torch attention on CPU ({e})", stacklevel=2)
+            return None
+        f = lib.di_token_attention_f32
+        i64, fp = ctypes.c_int64, ctypes.c_void_p
+        f.argtypes = [fp, i64, i64, fp, fp, fp, i64, fp, fp, fp, i64, i64, i64, i64, i64, ctypes.c_float]
+        f.restype = ctypes.c_int
+        lib.di_add_rmsnorm_f32.argtypes = [fp, fp, fp, ctypes.c_float, fp, fp, i64, i64]
+        lib.di_add_rmsnorm_f32.restype = ctypes.c_int
+        _lib = lib
+        return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def token_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    idx: torch.Tensor,
+    row: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    max_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [T, H, D]: query token t attends to cache slots idx[row[t], :lens[t]], in order.
+
+    q [T, H, D] fp32 (last dim contiguous); caches [S, Hkv, D] fp32 contiguous; idx [R, Lmax],
+    row [T], lens [T] int64 with 0 <= lens <= max_len <= Lmax; tokens with lens 0 are skipped
+    (their rows of `out`, if given, are left as they are). Batch-invariant by construction (see
+    csrc/token_attention.c). Raises KernelInputError on bad inputs, RuntimeError if not built.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    T, H, D = q.shape
+    S, Hkv, Dk = k_cache.shape
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+        raise KernelInputError("token_attention: q and the caches must be float32")
+    if q.device.type != "cpu":
+        raise KernelInputError("token_attention runs on CPU tensors only")
+    if Dk != D or H % Hkv or v_cache.shape != k_cache.shape:
+        raise KernelInputError(f"token_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1:
+        raise KernelInputError("token_attention: caches must be contiguous and q's last dim dense")
+    for name, t in (("idx", idx), ("row", row), ("lens", lens)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise KernelInputError(f"token_attention: {name} must be a contiguous int64 tensor")
+    if row.shape != (T,) or lens.shape != (T,) or idx.dim() != 2 or max_len > idx.shape[1]:
+        raise KernelInputError("token_attention: row/lens must be [T] and max_len <= idx.shape[1]")
+    if out is None:
+        out = torch.empty(T, H, D, dtype=torch.float32)
+    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise KernelInputError("token_attention: out must be a contiguous float32 tensor shaped like q")
+    if T == 0:
+        return out
+    rc = lib.di_token_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        idx.data_ptr(), idx.shape[1], row.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        T, H, Hkv, D, max_len, float(scale),
+    )
+    if rc != 0:
+        raise MemoryError("token_attention: a thread could not allocate its scratch buffer")
+    return out
+
+
+def token_attention_reference(q, k_cache, v_cache, idx, row, lens, scale, max_len=None) -> torch.Tensor:
+    """torch definition of token_attention (one softmax per query token and head)."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    out = torch.empty(T, H, D, dtype=q.dtype)
+    for t in range(T):
+        slots = idx[row[t], : lens[t]]
+        k = k_cache[slots].repeat_interleave(H // Hkv, dim=1)  # [L, H, D]
+        v = v_cache[slots].repeat_interleave(H // Hkv, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[t].double(), k.double()) * scale
+        out[t] = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v.double()).to(q.dtype)
+    return out
+
+
+def _dense_f32(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise KernelInputError(f"{name} must be a contiguous float32 CPU tensor")
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * weight, x + residual); residual None: (rmsnorm(x) * weight, x).
+    Row by row in a fixed order (batch-invariant); x [M, D] fp32 CPU."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    x = x.contiguous()
+    _dense_f32("add_rmsnorm: x", x)
+    _dense_f32("add_rmsnorm: weight", weight)
+    if residual is not None:
+        residual = residual.contiguous()
+        _dense_f32("add_rmsnorm: residual", residual)
+        if residual.shape != x.shape:
+            raise KernelInputError("add_rmsnorm: x and residual differ in shape")
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise KernelInputError(f"add_rmsnorm: weight {tuple(weight.shape)} does not fit rows of {D}")
+    M = x.numel() // D if D else 0
+    out = torch.empty(x.shape, dtype=x.dtype)  # (empty_like would copy odd strides of size-1 dims)
+    res = torch.empty(x.shape, dtype=x.dtype) if residual is not None else x
+    if M:
+        lib.di_add_rmsnorm_f32(
+            x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), float(eps),
+            out.data_ptr(), res.data_ptr() if residual is not None else None, M, D,
+        )
+    return out, res

@@ -1,0 +1,102 @@
+"""deepinfer_kernels.native: the C token attention and fused add+RMSNorm against their torch definitions,
+their batch invariance (bitwise), and their input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels import KernelInputError, native
+
+if not native.available():
+    pytest.skip("no C compiler here: the native kernels are not built", allow_module_level=True)
+
+
+def _cache(S, Hkv, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 80), (8, 2, 16)])
+def test_token_attention_matches_reference_for_decode_and_prefill_rows(H, Hkv, D):
+    S = 400
+    kc, vc = _cache(S, Hkv, D)
+    g = torch.Generator().manual_seed(1)
+    # three sequences with scattered slots: two decoding (1 token), one prefilling 7 tokens after 5 cached
+    idx = torch.randperm(S, generator=g)[:3 * 40].view(3, 40)
+    row = torch.tensor([0, 1] + [2] * 7)
+    lens = torch.tensor([33, 40] + list(range(6, 13)))
+    q = torch.randn(9, H, D, generator=g)
+    out = native.token_attention(q, kc, vc, idx, row, lens, D**-0.5, 40)
+    ref = native.token_attention_reference(q, kc, vc, idx, row, lens, D**-0.5)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5)
+    # and the torch SDPA path agrees on the prefilling sequence (a causal chunk after a cached prefix)
+    slots = idx[2, :12]
+    k, v = kc[slots], vc[slots]
+    mask = torch.arange(12)[None, :] <= torch.arange(5, 12)[:, None]
+    sdpa = F.scaled_dot_product_attention(
+        q[2:].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=D**-0.5, enable_gqa=True
+    ).transpose(0, 1)
+    assert torch.allclose(out[2:], sdpa, atol=2e-6, rtol=1e-5)
+
+
+def test_token_attention_is_batch_invariant_and_path_independent():
+    H, Hkv, D, S = 9, 3, 64, 600
+    kc, vc = _cache(S, Hkv, D, seed=2)
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randperm(S, generator=g)[:8 * 60].view(8, 60)
+    q = torch.randn(60, H, D, generator=g)
+    # sequence 5 prefilled whole: token p sees slots idx[5, :p+1]
+    prefill = native.token_attention(q, kc, vc, idx, torch.full((60,), 5), torch.arange(1, 61), 0.125, 60)
+    for p in (0, 17, 59):
+        # the same token as a decode step, alone and at a random place in a batch of other decodes
+        alone = native.token_attention(q[p:p + 1], kc, vc, idx[5:6], torch.tensor([0]), torch.tensor([p + 1]), 0.125, 60)
+        others = torch.randn(7, H, D, generator=g)
+        batch_q = torch.cat([others[:3], q[p:p + 1], others[3:]])
+        rows = torch.tensor([0, 1, 2, 5, 3, 4, 6, 7])
+        lens = torch.tensor([60, 3, 41, p + 1, 12, 60, 1, 30])
+        batched = native.token_attention(batch_q, kc, vc, idx, rows, lens, 0.125, 60)
+        assert torch.equal(alone[0], prefill[p])
+        assert torch.equal(batched[3], prefill[p])
+
+
+def test_token_attention_skips_tokens_with_zero_length_and_reads_strided_queries():
+    H, Hkv, D = 4, 2, 32
+    kc, vc = _cache(50, Hkv, D, seed=4)
+    qkv = torch.randn(3, (H + 2 * Hkv) * D)
+    q = qkv[:, : H * D].view(3, H, D)  # rows strided like the engine's fused projection
+    idx = torch.arange(50).view(1, 50)
+    out = torch.full((3, H, D), 7.0)
+    native.token_attention(q, kc, vc, idx, torch.zeros(3, dtype=torch.long), torch.tensor([5, 0, 9]), 0.2, 50, out=out)
+    assert torch.equal(out[1], torch.full((H, D), 7.0))
+    ref = native.token_attention_reference(q.contiguous(), kc, vc, idx, torch.zeros(3, dtype=torch.long), torch.tensor([5, 1, 9]), 0.2)
+    assert torch.allclose(out[[0, 2]], ref[[0, 2]], atol=2e-6)
+
+
+def test_token_attention_rejects_bad_inputs():
+    kc, vc = _cache(10, 2, 16)
+    q = torch.randn(2, 4, 16)
+    idx, row, lens = torch.zeros(1, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with pytest.raises(KernelInputError, match="float32"):
+        native.token_attention(q.double(), kc, vc, idx, row, lens, 1.0, 4)
+    with pytest.raises(KernelInputError, match="int64"):
+        native.token_attention(q, kc, vc, idx.int(), row, lens, 1.0, 4)
+    with pytest.raises(KernelInputError, match="max_len"):
+        native.token_attention(q, kc, vc, idx, row, lens, 1.0, 5)
+    with pytest.raises(KernelInputError, match="does not fit"):
+        native.token_attention(torch.randn(2, 3, 16), kc, vc, idx, row, lens, 1.0, 4)
+
+
+def test_add_rmsnorm_matches_torch_and_is_row_invariant():
+    g = torch.Generator().manual_seed(5)
+    x, r, w = torch.randn(40, 576, generator=g), torch.randn(40, 576, generator=g), torch.randn(576, generator=g)
+    out, res = native.add_rmsnorm(x, r, w, 1e-5)
+    assert torch.equal(res, x + r)
+    assert torch.allclose(out, F.rms_norm(x + r, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    plain, same = native.add_rmsnorm(x, None, w, 1e-6)
+    assert same is x and torch.allclose(plain, F.rms_norm(x, (576,), w, 1e-6), atol=1e-5, rtol=1e-5)
+    for k in (1, 2, 15, 16, 17, 39):  # below and above the row count where it goes parallel
+        assert torch.equal(native.add_rmsnorm(x[:k], r[:k], w, 1e-5)[0], out[:k])
+    with pytest.raises(KernelInputError, match="weight"):
+        native.add_rmsnorm(x, r, torch.ones(5), 1e-5)
