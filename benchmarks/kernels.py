@@ -7,7 +7,9 @@
 Prints, per op and size, the median time of the torch reference and of the TileLang kernel
 (the C twin on CPU, the GPU kernel on CUDA) and their ratio (torch / tilelang: > 1 means the
 kernel is faster). On CUDA the memory-bound kernels also report achieved bandwidth as a share
-of the H200's 4.3 TB/s. Compile time (or disk-cache load time) per kernel is printed first.
+of the H200's 4.3 TB/s. Compile time (or disk-cache load time) per kernel is printed last.
+On CPU the "native" rows compare the C kernels of deepinfer_kernels.native with the torch code the
+engine runs without them.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ def timeit(fn, device, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def report(rows, name, size, t_ref, t_tl, nbytes, device):
-    row = dict(op=name, size=size, torch_ms=t_ref * 1e3, tilelang_ms=t_tl * 1e3, speedup=t_ref / t_tl)
-    line = f"{name:<24} {size:<34} torch {t_ref * 1e3:9.3f} ms  tilelang {t_tl * 1e3:9.3f} ms  x{t_ref / t_tl:7.2f}"
+def report(rows, name, size, t_ref, t_tl, nbytes, device, impl="tilelang"):
+    row = dict(op=name, size=size, torch_ms=t_ref * 1e3, impl=impl, kernel_ms=t_tl * 1e3, speedup=t_ref / t_tl)
+    line = f"{name:<24} {size:<34} torch {t_ref * 1e3:9.3f} ms  {impl} {t_tl * 1e3:9.3f} ms  x{t_ref / t_tl:7.2f}"
     if device.type == "cuda" and nbytes:
         bw = nbytes / t_tl
         row["bandwidth_share"] = bw / PEAK_BW
@@ -121,12 +123,50 @@ def bench_attention(rows, device, iters, quick, dtype):
             report(rows, "paged_decode_attention", f"{str(dtype)[6:]} H={h}/{hkv} D={d} B={b} L={ctx}", t_ref, t_tl, nbytes, device)
 
 
+def bench_native(rows, iters, quick):
+    """CPU only: the native C kernels (deepinfer_kernels.native) against the torch code the engine runs
+    without them (index_select + SDPA decode attention, per-chunk SDPA prefill, torch add + rms_norm)."""
+    import torch.nn.functional as F
+
+    from deepinfer.engine.attention import decode_attention, prefill_attention
+    from deepinfer_kernels import native
+
+    if not native.available():
+        print("native kernels unavailable (no C compiler); skipped", flush=True)
+        return
+    dev = torch.device("cpu")
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, S = 9, 3, 64, 40000
+    kc, vc = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
+    for L in (128,) if quick else (128, 512):
+        for b in (1, 8, 32, 128):
+            q = torch.randn(b, H, D, generator=g)
+            idx = torch.randperm(S, generator=g)[: b * L].view(b, L)
+            valid = torch.ones(b, L, dtype=torch.bool)
+            lens, row = torch.full((b,), L), torch.arange(b)
+            t_ref = timeit(lambda: decode_attention(q, kc, vc, idx, valid, D**-0.5), dev, iters)
+            t_n = timeit(lambda: native.token_attention(q, kc, vc, idx, row, lens, D**-0.5, L), dev, iters)
+            report(rows, "decode_attention", f"H={H}/{Hkv} D={D} B={b} L={L}", t_ref, t_n, 0, dev, "native")
+    for n in (20, 64, 256) if quick else (20, 64, 256, 2048):
+        q = torch.randn(n, H, D, generator=g)
+        idx = torch.arange(n).view(1, n)
+        args = (q, kc[:n], vc[:n], idx, torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1), D**-0.5, n)
+        t_ref = timeit(lambda: prefill_attention(q, kc[:n], vc[:n], D**-0.5), dev, iters)
+        t_n = timeit(lambda: native.token_attention(*args), dev, iters)
+        report(rows, "prefill_attention", f"H={H}/{Hkv} D={D} one chunk of {n}", t_ref, t_n, 0, dev, "native")
+    for b in (1, 32, 128, 2048):
+        x, r, w = torch.randn(b, 576, generator=g), torch.randn(b, 576, generator=g), torch.rand(576, generator=g)
+        t_ref = timeit(lambda: F.rms_norm(x + r, (576,), w, 1e-5), dev, iters)
+        t_n = timeit(lambda: native.add_rmsnorm(x, r, w, 1e-5), dev, iters)
+        report(rows, "add_rmsnorm", f"float32 B={b} D=576", t_ref, t_n, 0, dev, "native")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="fewer sizes")
-    p.add_argument("--ops", default="sampling,rmsnorm,attention")
+    p.add_argument("--ops", default="sampling,rmsnorm,attention,native", help="native: CPU C kernels")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -139,6 +179,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     ops = a.ops.split(",")
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    if "native" in ops and device.type == "cpu":
+        bench_native(rows, max(iters, 20), a.quick)
     if "sampling" in ops:
         bench_sampling(rows, device, iters, a.quick)
     for dt in dtypes:
