@@ -29,7 +29,9 @@ import torch
 
 from .errors import KernelInputError
 
-_SRCS = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+_CSRC = Path(__file__).with_name("csrc")
+_SRCS = sorted(_CSRC.glob("*.c"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -51,7 +53,7 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(p.name.encode() + p.read_bytes() for p in _SRCS)
+    src = b"".join(p.name.encode() + p.read_bytes() for p in _SRCS + _HEADERS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(src + repr((version, _FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
     out = _cache_dir() / f"deepinfer_native-{key}.so"

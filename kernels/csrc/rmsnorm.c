@@ -7,22 +7,15 @@
 #include <math.h>
 #include <stdint.h>
 
-#define LANES 16
+#include "lanes.h"
 
 static void row(const float *x, const float *r, const float *w, float eps, float *out, float *res, int64_t D) {
-    float acc[LANES] = {0};
     const float *s = x;
     if (r) {
         for (int64_t i = 0; i < D; ++i) res[i] = x[i] + r[i];
         s = res;
     }
-    int64_t i = 0;
-    for (; i + LANES <= D; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += s[i + l] * s[i + l];
-    for (int l = 0; i < D; ++i, ++l) acc[l] += s[i] * s[i];
-    for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
-        for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
-    const float inv = 1.f / sqrtf(acc[0] / (float)D + eps);
+    const float inv = 1.f / sqrtf(dot_lanes(s, s, D) / (float)D + eps);
     for (int64_t j = 0; j < D; ++j) out[j] = s[j] * inv * w[j];
 }
 

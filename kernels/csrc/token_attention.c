@@ -1,28 +1,18 @@
 /* Attention for a flat list of query tokens over a paged KV cache (fp32, CPU, OpenMP).
  *
  * Query token t (T of them, H heads) attends to the len[t] cache slots idx[row[t]][0 .. len[t]),
- * in that order; a token with len[t] == 0 is skipped (its output rows are not written). Each (token, kv head) pair is computed on its own by one thread with a fixed
- * summation order (keys left to right, 16-lane dot products summed by a fixed tree), so a token's
+ * in that order; a token with len[t] == 0 is skipped (its output rows are not written). Each
+ * (token, kv head) pair is computed on its own by one thread with a fixed summation order (keys left
+ * to right, dot products from lanes.h), so a token's
  * output depends only on its query and the keys/values it sees: the same bits in a decode step, a
  * prefill, a chunked prefill or after a cached prefix, whatever else is in the batch.
- * Built at first use by deepinfer_kernels.native (g++ -O3 -march=native -fopenmp).
+ * Built at first use by deepinfer_kernels.native (cc -O3 -march=native -fopenmp).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define LANES 16
-
-static inline float dot(const float *a, const float *b, int64_t D) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= D; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; i < D; ++i, ++l) acc[l] += a[i] * b[i];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    return acc[0];
-}
+#include "lanes.h"
 
 /* q: [T, H, D] with strides (q_st, q_sh, 1); caches: [S, Hkv, D] contiguous; out: [T, H, D] contiguous;
  * idx: int64 rows of idx_ld slots; row, len: int64 [T]; scratch per thread: G * max_len floats.
@@ -54,7 +44,7 @@ int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const flo
                 for (int64_t j = 0; j < L; ++j) {
                     const float *k = kc + slots[j] * slot_stride + h * D;
                     for (int64_t g = 0; g < G; ++g) {
-                        float v = dot(qh + g * q_sh, k, D) * scale;
+                        float v = dot_lanes(qh + g * q_sh, k, D) * scale;
                         s[g * L + j] = v;
                         if (v > mx[g]) mx[g] = v;
                     }
