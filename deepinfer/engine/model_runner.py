@@ -34,6 +34,14 @@ def available_memory(device: torch.device) -> int:
 NATIVE_CHUNK_WORK = 4096
 
 
+def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[n, length] cache slot of each position 0..length-1 of each row's sequence (positions past a
+    sequence's end point at its last table entry: callers bound them by the context length)."""
+    p = torch.arange(length)
+    blocks = (p // block_size).expand(block_tables.shape[0], length).clamp(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, blocks) * block_size + p % block_size
+
+
 @dataclass
 class ForwardResult:
     logits: torch.Tensor  # [R, V] fp32 for the requested rows
@@ -182,16 +190,14 @@ class ModelRunner:
         if self.token_attention is not None:
             ctx_lens = starts_t + lens_t
             L = int(ctx_lens.max())
-            p = torch.arange(L)
-            ctx_idx = bt.gather(1, (p // bs).expand(len(scheduled), L).clamp(max=max_blocks - 1)) * bs + p % bs
+            ctx_idx = _context_slots(bt, L, bs)
             ctx.token_attention = self.token_attention
             ctx.tokens = TokenAttentionInputs(ctx_idx, row_seq, positions + 1, L)
         if nd and self.token_attention is None:
             ctx_lens = starts_t[:nd] + 1
             L = int(ctx_lens.max())
-            p = torch.arange(L)
-            gather = bt[:nd].gather(1, (p // bs).expand(nd, L).clamp(max=max_blocks - 1)) * bs + p % bs
-            valid = p[None, :] < ctx_lens[:, None]
+            gather = _context_slots(bt[:nd], L, bs)
+            valid = torch.arange(L)[None, :] < ctx_lens[:, None]
             ctx.num_decode = nd
             ctx.decode_gather_idx = torch.where(valid, gather, 0).to(dev)
             ctx.decode_valid = valid.to(dev)
