@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from .errors import KernelInputError
 _CSRC = Path(__file__).with_name("csrc")
 _SRCS = sorted(_CSRC.glob("*.c"))
 _HEADERS = sorted(_CSRC.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -95,12 +96,88 @@ def load() -> ctypes.CDLL | None:
         f.restype = ctypes.c_int
         lib.di_add_rmsnorm_f32.argtypes = [fp, fp, fp, ctypes.c_float, fp, fp, i64, i64]
         lib.di_add_rmsnorm_f32.restype = ctypes.c_int
+        lib.di_gemm_f32.argtypes = [fp, i64, i64, fp, i64, i64, ctypes.c_int, fp, fp, i64]
+        lib.di_gemm_f32.restype = ctypes.c_int
         _lib = lib
         return _lib
 
 
 def available() -> bool:
     return load() is not None
+
+
+# ---- projections: y = x @ W.T on weights packed once into 48-column panels (csrc/gemm.c) ----------
+PANEL = 48
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight laid out for `linear` / `gated_linear`: panels [P (x2 when gated), K, 48]."""
+
+    panels: torch.Tensor
+    n: int  # output columns (gated: of each half)
+    k: int  # input features
+    gated: bool
+
+
+def _panels(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    p = -(-n // PANEL)
+    if p * PANEL != n:
+        w = torch.cat([w, w.new_zeros(p * PANEL - n, k)])
+    return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_weight(w: torch.Tensor) -> PackedWeight:
+    """Pack an [N, K] fp32 weight for `linear` (a copy: the original is not referenced)."""
+    _dense_f32("pack_weight: w", w)
+    if w.dim() != 2:
+        raise KernelInputError(f"pack_weight: expected a 2-D weight, got shape {tuple(w.shape)}")
+    return PackedWeight(_panels(w), w.shape[0], w.shape[1], False)
+
+
+def pack_gated_weight(w: torch.Tensor) -> PackedWeight:
+    """Pack a stacked [gate; up] weight [2I, K] for `gated_linear` (gate and up panels interleaved)."""
+    _dense_f32("pack_gated_weight: w", w)
+    if w.dim() != 2 or w.shape[0] % 2:
+        raise KernelInputError(f"pack_gated_weight: expected [2I, K], got shape {tuple(w.shape)}")
+    g, u = _panels(w[: w.shape[0] // 2]), _panels(w[w.shape[0] // 2 :])
+    return PackedWeight(torch.stack([g, u], 1).flatten(0, 1).contiguous(), w.shape[0] // 2, w.shape[1], True)
+
+
+def _gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if x.dim() != 2 or x.shape[1] != pw.k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise KernelInputError(f"linear: x must be float32 CPU [M, {pw.k}], got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1 or x.stride(0) < pw.k:
+        x = x.contiguous()
+    if bias is not None:
+        _dense_f32("linear: bias", bias)
+        if bias.shape != (pw.n,):
+            raise KernelInputError(f"linear: bias {tuple(bias.shape)} does not fit {pw.n} outputs")
+    m = x.shape[0]
+    y = torch.empty(m, pw.n, dtype=torch.float32)
+    if m:
+        lib.di_gemm_f32(x.data_ptr(), x.stride(0), m, pw.panels.data_ptr(), pw.k, pw.n, int(pw.gated),
+                        bias.data_ptr() if bias is not None else None, y.data_ptr(), pw.n)
+    return y
+
+
+def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) for W packed by `pack_weight`. Every output is one multiply-add chain
+    over k in order, so a row's bits do not depend on M or the other rows."""
+    if pw.gated:
+        raise KernelInputError("linear: this weight was packed for gated_linear")
+    return _gemm(x, pw, bias)
+
+
+def gated_linear(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [M, I] for [gate; up] packed by `pack_gated_weight`."""
+    if not pw.gated:
+        raise KernelInputError("gated_linear: this weight was packed for linear")
+    return _gemm(x, pw, None)
 
 
 def token_attention(

@@ -1,20 +1,20 @@
-"""y = x @ w.T on CPU (fp32): prepacked oneDNN GEMMs for batches, a chunked GEMV for decoding one row.
+"""y = x @ w.T on CPU (fp32) for the decoder's projections, on weights packed once at load.
 
-Two measured problems with ``F.linear`` on the reference 2-core CPU (AVX-512, fp32):
+Two backends, measured on the reference 2-core CPU (AVX-512, fp32) against ``F.linear`` (MKL):
 
-* Small M. MKL runs a GEMV (M = 1) or a skinny GEMM on one thread and reads the weight at ~10 GB/s,
-  a third of what a parallel read reaches. Splitting the weight's rows into a few chunks run as one
-  batched matmul spreads them over the cores (``chunked_linear``): 2.4x faster at M = 1 over all of
-  SmolLM2's weights (52 -> 21 ms per token).
-* Batches. MKL re-packs the weight on every call; that costs as much as the multiply at M = 8-128.
-  oneDNN with the weight packed once at load (``torch.ops.mkldnn._reorder_linear_weight``) runs the
-  same GEMMs 1.6-2.6x faster over the whole model (M = 32: 127 -> 70 ms; M = 128: 470 -> 195 ms) and
-  1.4x at prefill sizes. The packed copy doubles the weights' memory.
+* ``native`` (default where the native kernels build): deepinfer_kernels.native's panel GEMM
+  (csrc/gemm.c). Per step it streams every weight once with the partial sums in registers; on
+  SmolLM2's shapes with the weights coming from memory it runs 1.3x oneDNN's packed GEMM at 32
+  rows, 1.5-1.9x at 1-4 rows and equal to 1.1x at prefill sizes; gate/up run as one call with
+  silu * mul applied in registers. Each output is one multiply-add chain over k in order, so it is
+  batch-invariant for every batch size, one row included.
+* ``onednn`` (no C compiler): oneDNN GEMMs with the weight reordered once
+  (``torch.ops.mkldnn._reorder_linear_weight``), 1.6-2.6x faster than MKL's ``F.linear``, which
+  re-packs the weight on every call; 1-4 rows take ``chunked_linear`` (MKL runs a GEMV on one
+  thread). It is batch-invariant here for M >= 2 only, so the invariant mode pads one row to two.
 
-oneDNN's packed GEMM is also batch-invariant here: a row's bits do not depend on M for M >= 2 (M = 1
-takes a GEMV kernel with another summation order). ``CpuLinear(invariant=True)`` pads a single row
-to two and verifies the property on the model's own shapes at start-up (``verify_invariance``): the
-batch-invariant mode then costs nothing in its matmuls.
+Either way the packed copy doubles the weights' memory. ``verify_invariance`` checks the invariant
+mode's property on the model's own shapes at start-up (a library property, not a guarantee).
 """
 
 from __future__ import annotations
@@ -29,8 +29,19 @@ GEMV_MAX_M = 4  # up to here (default mode): the chunked GEMV beats the packed G
 PACK_HINT_M = 32  # the batch size oneDNN tunes the packed layout for (any M runs on it)
 
 
-def packed_gemm_available() -> bool:
+def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def native_available() -> bool:
+    from deepinfer_kernels import native
+
+    return native.available()
+
+
+def packed_gemm_available() -> bool:
+    """True when some packed backend runs here."""
+    return native_available() or onednn_available()
 
 
 def chunked_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,35 +60,54 @@ def chunked_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
 
 
 class CpuLinear:
-    """Callable ``(x, w, b) -> x @ w.T + b`` for the weights it was built with (others: F.linear).
+    """Callable ``(x, w, b) -> x @ w.T + b`` for the weights it was built with (others: F.linear),
+    plus ``silu_mul(x, [gate; up])``. Weights are found by storage address, so they must not be
+    reallocated after construction."""
 
-    Weights are found by storage address, so they must not be reallocated after construction.
-    """
-
-    def __init__(self, weights: Iterable[torch.Tensor], invariant: bool = False, gated: Iterable[torch.Tensor] = ()):
-        """weights: plain projections; gated: stacked [gate; up] weights used through silu_mul."""
+    def __init__(self, weights: Iterable[torch.Tensor], invariant: bool = False, gated: Iterable[torch.Tensor] = (),
+                 backend: str | None = None):
+        """weights: plain projections; gated: stacked [gate; up] weights used through silu_mul;
+        backend: "native" or "onednn" (None: native where it builds)."""
+        self.backend = backend or ("native" if native_available() else "onednn")
+        if self.backend not in ("native", "onednn"):
+            raise ValueError(f"CpuLinear backend must be 'native' or 'onednn', got {self.backend!r}")
         self.invariant = invariant
-        self.packed: dict[int, torch.Tensor] = {}
-        self.packed_halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.packed: dict[int, object] = {}
+        self.packed_gated: dict[int, object] = {}
         ok = lambda w: w.dim() == 2 and w.dtype == torch.float32 and w.is_contiguous()  # noqa: E731
+        if self.backend == "native":
+            from deepinfer_kernels import native
+
+            self._native = native
+            for w in weights:
+                if ok(w):
+                    self.packed[w.data_ptr()] = native.pack_weight(w)
+            for w in gated:
+                if ok(w) and w.shape[0] % 2 == 0:
+                    self.packed_gated[w.data_ptr()] = native.pack_gated_weight(w)
+            return
         for w in weights:
             if ok(w):
                 self.packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
         for w in gated:
             if ok(w) and w.shape[0] % 2 == 0:
                 g, u = w.chunk(2, 0)
-                self.packed_halves[w.data_ptr()] = tuple(
+                self.packed_gated[w.data_ptr()] = tuple(
                     torch.ops.mkldnn._reorder_linear_weight(h.contiguous(), PACK_HINT_M) for h in (g, u)
                 )
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        m = x.shape[0]
-        if not self.invariant and x.dim() == 2 and 1 <= m <= GEMV_MAX_M:
-            return chunked_linear(x, w, b)
         pw = self.packed.get(w.data_ptr())
-        if pw is None or x.dim() != 2 or m == 0:
+        if pw is None or x.dim() != 2:
             if self.invariant:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
+            return F.linear(x, w, b)
+        if self.backend == "native":
+            return self._native.linear(x, pw, b)
+        m = x.shape[0]
+        if not self.invariant and 1 <= m <= GEMV_MAX_M:
+            return chunked_linear(x, w, b)
+        if m == 0:
             return F.linear(x, w, b)
         x = x.contiguous()
         if m == 1 and self.invariant:  # M = 1 would take oneDNN's GEMV kernel (another summation order)
@@ -85,20 +115,21 @@ class CpuLinear:
         return torch.ops.mkldnn._linear_pointwise(x, pw, b, "none", [], "")
 
     def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """silu(x @ gate.T) * (x @ up.T) for w = [gate; up]. Batches run as two GEMMs with the
-        activation and the product fused into them (oneDNN post-ops): 5-12% faster than one GEMM
-        followed by silu and mul (measured at M = 32-2048), and no [M, 2I] intermediate."""
+        """silu(x @ gate.T) * (x @ up.T) for w = [gate; up], the activation and product fused into
+        the GEMM (native: in registers; oneDNN: post-ops, 5-12% faster than separate ops at M = 32-2048)."""
         m = x.shape[0]
-        halves = self.packed_halves.get(w.data_ptr())
-        if halves is None or x.dim() != 2 or m == 0 or (not self.invariant and m <= GEMV_MAX_M):
-            if self.invariant and halves is None:
+        packed = self.packed_gated.get(w.data_ptr())
+        if packed is not None and x.dim() == 2 and self.backend == "native":
+            return self._native.gated_linear(x, packed)
+        if packed is None or x.dim() != 2 or m == 0 or (not self.invariant and m <= GEMV_MAX_M):
+            if self.invariant and packed is None:
                 raise RuntimeError(f"batch-invariant silu_mul called with an unpacked weight {tuple(w.shape)}")
             g, u = self(x, w).chunk(2, -1)
             return F.silu(g) * u
         pad = m == 1 and self.invariant
         x = x.expand(2, -1).contiguous() if pad else x.contiguous()
-        g = torch.ops.mkldnn._linear_pointwise(x, halves[0], None, "swish", [], "")
-        y = torch.ops.mkldnn._linear_pointwise.binary(x, g, halves[1], None, "mul")
+        g = torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "swish", [], "")
+        y = torch.ops.mkldnn._linear_pointwise.binary(x, g, packed[1], None, "mul")
         return y[:1] if pad else y
 
     def verify_invariance(self, weights: Iterable[torch.Tensor], sizes=(1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 100, 257)) -> bool:
@@ -109,7 +140,7 @@ class CpuLinear:
         seen: set = set()
         top = max(sizes)
         for w in weights:
-            for fn, table in ((self, self.packed), (self.silu_mul, self.packed_halves)):
+            for fn, table in ((self, self.packed), (self.silu_mul, self.packed_gated)):
                 if (fn, tuple(w.shape)) in seen or w.data_ptr() not in table:
                     continue
                 seen.add((fn, tuple(w.shape)))

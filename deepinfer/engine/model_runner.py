@@ -76,8 +76,9 @@ class ModelRunner:
         self._select_kernels()
 
     def _select_linear(self):
-        """The projection op: prepacked oneDNN GEMMs on CPU fp32 (see cpu_linear.py); in the
-        batch-invariant mode the same, once verified invariant on this machine, else fixed tiles."""
+        """The projection op: GEMMs on weights packed at load on CPU fp32 (native panels, else oneDNN:
+        see cpu_linear.py); in the batch-invariant mode the same, once verified invariant on this
+        machine, else fixed tiles."""
         import torch.nn.functional as F
 
         from deepinfer.engine import batch_invariant as bi

@@ -100,3 +100,51 @@ def test_add_rmsnorm_matches_torch_and_is_row_invariant():
         assert torch.equal(native.add_rmsnorm(x[:k], r[:k], w, 1e-5)[0], out[:k])
     with pytest.raises(KernelInputError, match="weight"):
         native.add_rmsnorm(x, r, torch.ones(5), 1e-5)
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 70), (49, 33), (1536, 576)])
+def test_linear_matches_f_linear_and_rows_do_not_depend_on_the_batch(n, k):
+    # N not a multiple of the 48-column panel exercises the padded last panel
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    pw = native.pack_weight(w)
+    x = torch.randn(37, k, generator=g)
+    full = native.linear(x, pw, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert full.shape == (37, n) and torch.allclose(full.double(), ref, atol=1e-4 * k**0.5, rtol=1e-5)
+    for m in (1, 2, 7, 8, 9, 16, 36):  # every row-tile size, alone and mixed
+        assert torch.equal(native.linear(x[:m], pw, b), full[:m]), m
+        assert torch.equal(native.linear(x[37 - m :], pw, b), full[37 - m :]), m
+    assert torch.equal(native.linear(x, pw) + b, full)  # the bias is added once, after the whole sum
+    # rows read with a stride (a view into a wider tensor) give the same bits
+    wide = torch.randn(37, k + 5, generator=g)
+    wide[:, :k] = x
+    assert torch.equal(native.linear(wide[:, :k], pw, b), full)
+    assert native.linear(x[:0], pw).shape == (0, n)
+
+
+def test_gated_linear_matches_silu_times_up_and_is_row_invariant():
+    g = torch.Generator().manual_seed(7)
+    inter, k = 100, 64
+    w = torch.randn(2 * inter, k, generator=g) / k**0.5
+    pw = native.pack_gated_weight(w)
+    x = torch.randn(20, k, generator=g)
+    gate, up = F.linear(x.double(), w.double()).chunk(2, -1)
+    out = native.gated_linear(x, pw)
+    assert torch.allclose(out.double(), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    for m in (1, 3, 8, 13):
+        assert torch.equal(native.gated_linear(x[:m], pw), out[:m])
+
+
+def test_linear_rejects_bad_inputs():
+    pw = native.pack_weight(torch.randn(10, 8))
+    with pytest.raises(KernelInputError, match=r"\[M, 8\]"):
+        native.linear(torch.randn(3, 9), pw)
+    with pytest.raises(KernelInputError, match="float32"):
+        native.linear(torch.randn(3, 8).double(), pw)
+    with pytest.raises(KernelInputError, match="bias"):
+        native.linear(torch.randn(3, 8), pw, torch.randn(11))
+    with pytest.raises(KernelInputError, match="gated_linear"):
+        native.linear(torch.randn(3, 8), native.pack_gated_weight(torch.randn(10, 8)))
+    with pytest.raises(KernelInputError, match="gated"):
+        native.pack_gated_weight(torch.randn(9, 8))

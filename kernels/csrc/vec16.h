@@ -1,0 +1,56 @@
+/* 16-float vectors through GCC/Clang vector extensions: AVX-512 where the CPU has it, split into
+ * narrower registers elsewhere (the library is built with -march=native). Every reduction here has a
+ * fixed order, so results depend only on the inputs. */
+#ifndef DEEPINFER_VEC16_H
+#define DEEPINFER_VEC16_H
+#include <stdint.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* for unaligned loads/stores */
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
+static inline void store16(float *p, v16 x) { *(v16u *)p = x; }
+static inline v16 splat16(float x) { return (v16){0} + x; }
+
+/* lanes summed by a fixed tree: (0..7)+(8..15), then halves of that, ... */
+static inline float hsum16(v16 x) {
+    x += __builtin_shuffle(x, (i16v){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (i16v){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (i16v){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (i16v){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max); inputs below -87 give exp(-87) ~ 1.6e-38.
+ * 2^n * p(f) with n = round(x / ln 2), f = x - n ln 2 in [-0.35, 0.35] and p the degree-7 Taylor
+ * polynomial (truncation error < 1e-8 relative): within ~2 ulp of expf. */
+static inline v16 exp16_nonpos(v16 x) {
+    const v16 lo = splat16(-87.0f);
+    i16v small = x < lo;
+    x = (v16)(((i16v)lo & small) | ((i16v)x & ~small));
+    const v16 magic = splat16(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 t = x * 1.44269504088896341f + magic;
+    v16 n = t - magic;
+    v16 f = x - n * 0.693145751953125f; /* ln 2 split in two for an exact first product */
+    f = f - n * 1.4286068202862268e-06f;
+    v16 p = splat16(1.f / 5040.f);
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    i16v e = __builtin_convertvector(n, i16v) << 23;
+    return (v16)((i16v)p + e);
+}
+
+/* exp(x) for any x (clamped to [-87, 88], where exp is a normal float): the same polynomial. */
+static inline v16 exp16(v16 x) {
+    const v16 hi = splat16(88.0f);
+    i16v big = x > hi;
+    x = (v16)(((i16v)hi & big) | ((i16v)x & ~big));
+    return exp16_nonpos(x); /* (its lower clamp and range reduction hold for any x <= 88) */
+}
+#endif
