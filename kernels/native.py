@@ -98,6 +98,8 @@ def load() -> ctypes.CDLL | None:
         lib.di_add_rmsnorm_f32.restype = ctypes.c_int
         lib.di_gemm_f32.argtypes = [fp, i64, i64, fp, i64, i64, ctypes.c_int, fp, fp, i64]
         lib.di_gemm_f32.restype = ctypes.c_int
+        lib.di_rope_store_kv_f32.argtypes = [fp, i64, i64, i64, i64, i64, fp, fp, fp, i64, fp, fp, fp]
+        lib.di_rope_store_kv_f32.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -230,6 +232,46 @@ def token_attention(
     if rc != 0:
         raise MemoryError("token_attention: a thread could not allocate its scratch buffer")
     return out
+
+
+def rope_store_kv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding + KV-cache write from a fused projection; returns the rotated q [T, H, D].
+
+    qkv [T, (H + 2 Hkv) D] fp32 (rows dense); cos/sin [T, D] (any leading shape with T * D values,
+    sin carrying rotate_half's sign: -sin in the first half); slots int64 [T]; caches [S, Hkv, D].
+    The rotated k and the v of token t go to cache slot slots[t]; a slot outside the cache raises
+    KernelInputError (the other tokens are still written)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    T = qkv.shape[0]
+    S, Hkv, D = k_cache.shape
+    if Hkv != num_kv_heads or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * Hkv) * D or D % 2:
+        raise KernelInputError(f"rope_store_kv: qkv {tuple(qkv.shape)} does not fit {num_heads} heads over caches {tuple(k_cache.shape)}")
+    if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
+        raise KernelInputError("rope_store_kv: qkv must be float32 with dense rows")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos), ("sin", sin)):
+        _dense_f32(f"rope_store_kv: {name}", t)
+    if v_cache.shape != k_cache.shape or cos.numel() != T * D or sin.numel() != T * D:
+        raise KernelInputError("rope_store_kv: caches differ in shape or cos/sin are not [T, D]")
+    if slots.dtype != torch.int64 or slots.shape != (T,) or not slots.is_contiguous():
+        raise KernelInputError("rope_store_kv: slots must be a contiguous int64 [T] tensor")
+    q = torch.empty(T, num_heads, D, dtype=torch.float32)
+    if T:
+        rc = lib.di_rope_store_kv_f32(qkv.data_ptr(), qkv.stride(0), T, num_heads, Hkv, D, cos.data_ptr(),
+                                      sin.data_ptr(), slots.data_ptr(), S, k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+        if rc:
+            raise KernelInputError(f"rope_store_kv: a slot is outside the cache's {S} slots")
+    return q
 
 
 def token_attention_reference(q, k_cache, v_cache, idx, row, lens, scale, max_len=None) -> torch.Tensor:

@@ -52,6 +52,9 @@ class ForwardContext:
     attention_fn: Callable | None = None  # overrides paged_attention's math (batch-invariant mode)
     token_attention: Callable | None = None  # deepinfer_kernels.native.token_attention when selected
     tokens: TokenAttentionInputs | None = None
+    # deepinfer_kernels.native.rope_store_kv when selected: rotary + cache write in one call, after
+    # which paged_attention is called with k = v = None (they are already in the cache)
+    rope_store_kv: Callable | None = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
@@ -60,12 +63,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float) -> torch.Tensor:
-    """q [T,H,D], k/v [T,Hkv,D]; caches [num_slots, Hkv, D]. Returns [T,H,D]."""
-    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    """q [T,H,D], k/v [T,Hkv,D] (None: already written to the cache); caches [num_slots, Hkv, D].
+    Returns [T,H,D]."""
+    if k is not None:
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     if ctx.attention_fn is not None:
         return ctx.attention_fn(q, k, v, k_cache, v_cache, ctx, scale)
     T, H, D = q.shape
-    Hkv = k.shape[1]
+    Hkv = k_cache.shape[1]
     nd = ctx.num_decode
     if ctx.token_attention is not None:
         # decodes and short prefill chunks in one native call; long chunks below through SDPA
@@ -74,7 +79,7 @@ def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float
         ctx.token_attention(q, k_cache, v_cache, ta.ctx_idx, ta.row, ta.lens, scale, ta.max_len, out=out)
         for c in ctx.prefills:
             if not c.native:
-                qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache)
+                qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache, ctx.slot_mapping)
                 out[c.q_start : c.q_start + c.q_len] = prefill_attention(qs, ks, vs, scale)
         return out
     out = torch.empty_like(q)
@@ -86,15 +91,19 @@ def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float
     elif nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, ctx.decode_gather_idx, ctx.decode_valid, scale)
     for c in ctx.prefills:
-        qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache)
+        qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache, ctx.slot_mapping)
         out[c.q_start : c.q_start + c.q_len] = prefill_attention(qs, ks, vs, scale)
     return out
 
 
-def chunk_qkv(c: PrefillChunk, q, k, v, k_cache, v_cache):
-    """A prefill chunk's queries and the keys/values of its whole context (cached prefix + chunk)."""
+def chunk_qkv(c: PrefillChunk, q, k, v, k_cache, v_cache, slot_mapping=None):
+    """A prefill chunk's queries and the keys/values of its whole context (cached prefix + chunk);
+    with k = v = None the chunk's own keys are read back from their cache slots."""
     qs = q[c.q_start : c.q_start + c.q_len]
     if c.gather_idx is None:  # the chunk is the whole context: its own new keys
+        if k is None:
+            own = slot_mapping[c.q_start : c.q_start + c.q_len]
+            return qs, k_cache.index_select(0, own), v_cache.index_select(0, own)
         return qs, k[c.q_start : c.q_start + c.q_len], v[c.q_start : c.q_start + c.q_len]
     return qs, k_cache.index_select(0, c.gather_idx), v_cache.index_select(0, c.gather_idx)
 
@@ -156,6 +165,6 @@ def paged_attention_batch_invariant(q, k, v, k_cache, v_cache, ctx: ForwardConte
         V = v_cache.index_select(0, ctx.decode_gather_idx.reshape(-1)).view(B, L, Hkv, D)
         out[:nd] = bi_attention_decode(q[:nd], K, V, ctx.decode_valid.sum(1), scale=scale)
     for c in ctx.prefills:
-        qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache)
+        qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache, ctx.slot_mapping)
         out[c.q_start : c.q_start + c.q_len] = bi_attention(qs, ks, vs, scale=scale, causal_offset=c.ctx_len - c.q_len)
     return out

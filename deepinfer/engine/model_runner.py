@@ -73,6 +73,7 @@ class ModelRunner:
         self.decode_kernel = None
         self.token_attention = None  # deepinfer_kernels.native.token_attention when selected
         self.token_attention_all = False  # every token through it (batch-invariant mode), not only short ones
+        self.rope_store_kv = None  # deepinfer_kernels.native.rope_store_kv when selected
         self._select_kernels()
 
     def _select_linear(self):
@@ -112,6 +113,7 @@ class ModelRunner:
                 and native.available()):
             self.token_attention = native.token_attention
             self.token_attention_all = self.config.batch_invariant
+            self.rope_store_kv = native.rope_store_kv
             # row-at-a-time norms in C: one call instead of ~7 torch ops, and invariant by construction
             self.model.set_norm_impl(lambda x, w, eps: native.add_rmsnorm(x, None, w, eps)[0])
             self.model.set_fused_add_norm(native.add_rmsnorm)
@@ -193,6 +195,7 @@ class ModelRunner:
             L = int(ctx_lens.max())
             ctx_idx = _context_slots(bt, L, bs)
             ctx.token_attention = self.token_attention
+            ctx.rope_store_kv = self.rope_store_kv
             ctx.tokens = TokenAttentionInputs(ctx_idx, row_seq, positions + 1, L)
         if nd and self.token_attention is None:
             ctx_lens = starts_t[:nd] + 1

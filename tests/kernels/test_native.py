@@ -148,3 +148,28 @@ def test_linear_rejects_bad_inputs():
         native.linear(torch.randn(3, 8), native.pack_gated_weight(torch.randn(10, 8)))
     with pytest.raises(KernelInputError, match="gated"):
         native.pack_gated_weight(torch.randn(9, 8))
+
+
+def test_rope_store_kv_matches_torch_rotary_and_cache_write():
+    from deepinfer.engine.models.layers import RotaryEmbedding
+
+    H, Hkv, D, T, S = 6, 2, 32, 5, 40
+    g = torch.Generator().manual_seed(8)
+    rot = RotaryEmbedding(D, 128, 10000.0, None)
+    pos = torch.tensor([0, 3, 17, 60, 127])
+    cos, sin = rot.tables(pos, torch.float32)
+    wide = torch.randn(T, (H + 2 * Hkv) * D + 3, generator=g)
+    qkv = wide[:, : (H + 2 * Hkv) * D]  # rows strided like a view into a wider buffer
+    slots = torch.tensor([7, 0, 39, 12, 5])
+    kc, vc = torch.zeros(S, Hkv, D), torch.zeros(S, Hkv, D)
+    q = native.rope_store_kv(qkv, H, Hkv, cos, sin, slots, kc, vc)
+    qk = rot.apply(qkv[:, : (H + Hkv) * D].reshape(T, H + Hkv, D), (cos, sin))
+    assert torch.allclose(q, qk[:, :H], atol=1e-6) and torch.allclose(kc[slots], qk[:, H:], atol=1e-6)
+    assert torch.equal(vc[slots], qkv[:, (H + Hkv) * D :].reshape(T, Hkv, D))
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc[untouched].any() and not vc[untouched].any()
+    with pytest.raises(KernelInputError, match="outside"):
+        native.rope_store_kv(qkv, H, Hkv, cos, sin, torch.tensor([7, 0, 40, 12, 5]), kc, vc)
+    with pytest.raises(KernelInputError, match="does not fit"):
+        native.rope_store_kv(qkv, H + 1, Hkv, cos, sin, slots, kc, vc)

@@ -114,6 +114,12 @@ class Attention(nn.Module):
     def forward(self, rope, x, meta: ForwardContext, kv_cache) -> torch.Tensor:
         qkv = meta.linear(x, self.qkv_weight, self.qkv_bias)
         T = x.shape[0]
+        k_cache, v_cache = kv_cache
+        if meta.rope_store_kv is not None and self.q_norm is None:
+            # one native call rotates q and k and writes k and v to the cache
+            q = meta.rope_store_kv(qkv, self.n_heads, self.n_kv, rope[0], rope[1], meta.slot_mapping, k_cache, v_cache)
+            o = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
+            return meta.linear(o.reshape(T, self.q_size), self.o_weight, None)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         if self.q_norm is None:
             # q and k are adjacent in the fused projection: rotate both heads at once
@@ -123,7 +129,6 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(T, self.n_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim))
             q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
-        k_cache, v_cache = kv_cache
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return meta.linear(o.reshape(T, self.q_size), self.o_weight, None)
 

@@ -1,0 +1,39 @@
+/* Rotary embedding of q and k straight out of the fused q|k|v projection, with k and v written to
+ * their paged-cache slots (fp32, CPU): one call per layer in place of ~8 torch ops (split, roll,
+ * multiplies, two index_copy_) on the decode path, where those ops' fixed costs dominate.
+ *
+ * Rotate-half convention (HF): out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i], with the sign of
+ * rotate_half folded into sin (sin[i] < D/2 holds -sin). Each token is computed on its own
+ * (batch-invariant).
+ */
+#include <stdint.h>
+
+static void rotate(const float *x, const float *c, const float *s, int64_t D, float *out) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] + x[i + half] * s[i];
+    for (int64_t i = half; i < D; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+/* qkv: [T, (H + 2 Hkv) D] rows ld apart; cos, sin: [T, D]; slots: int64 [T] in [0, S);
+ * caches: [S, Hkv, D] contiguous; q_out: [T, H, D] contiguous. Returns 0, or 1 if a slot is out of
+ * range (that token's k and v are not written). */
+int di_rope_store_kv_f32(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                         const float *cos, const float *sin, const int64_t *slots, int64_t S, float *kc,
+                         float *vc, float *q_out) {
+    int bad = 0;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; ++t) {
+        if (slots[t] < 0 || slots[t] >= S) {
+#pragma omp atomic write
+            bad = 1;
+            continue;
+        }
+        const float *row = qkv + t * ld, *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, q_out + (t * H + h) * D);
+        float *k = kc + slots[t] * Hkv * D, *v = vc + slots[t] * Hkv * D;
+        for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, c, s, D, k + h * D);
+        const float *vs = row + (H + Hkv) * D;
+        for (int64_t i = 0; i < Hkv * D; ++i) v[i] = vs[i];
+    }
+    return bad;
+}
