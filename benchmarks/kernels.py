@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -126,8 +127,6 @@ def bench_attention(rows, device, iters, quick, dtype):
 def bench_native(rows, iters, quick):
     """CPU only: the native C kernels (deepinfer_kernels.native) against the torch code the engine runs
     without them (index_select + SDPA decode attention, per-chunk SDPA prefill, torch add + rms_norm)."""
-    import torch.nn.functional as F
-
     from deepinfer.engine.attention import decode_attention, prefill_attention
     from deepinfer_kernels import native
 
@@ -136,7 +135,7 @@ def bench_native(rows, iters, quick):
         return
     dev = torch.device("cpu")
     g = torch.Generator().manual_seed(3)
-    H, Hkv, D, S = 9, 3, 64, 40000
+    H, Hkv, D, S = 9, 3, 64, 70000  # room for B x L distinct slots
     kc, vc = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
     for L in (128,) if quick else (128, 512):
         for b in (1, 8, 32, 128):
@@ -159,6 +158,55 @@ def bench_native(rows, iters, quick):
         t_ref = timeit(lambda: F.rms_norm(x + r, (576,), w, 1e-5), dev, iters)
         t_n = timeit(lambda: native.add_rmsnorm(x, r, w, 1e-5), dev, iters)
         report(rows, "add_rmsnorm", f"float32 B={b} D=576", t_ref, t_n, 0, dev, "native")
+    bench_native_linear(rows, iters, quick)
+    from deepinfer.engine.models.layers import RotaryEmbedding
+
+    rot = RotaryEmbedding(D, 4096, 10000.0, None)
+    for b in (1, 32, 128):
+        qkv, slots = torch.randn(b, (H + 2 * Hkv) * D, generator=g), torch.randperm(S, generator=g)[:b]
+        tables = rot.tables(torch.randint(0, 4096, (b,), generator=g), torch.float32)
+
+        def torch_rope():
+            qk = rot.apply(qkv[:, : (H + Hkv) * D].view(b, H + Hkv, D), tables)
+            kc.index_copy_(0, slots, qk[:, H:])
+            vc.index_copy_(0, slots, qkv[:, (H + Hkv) * D :].view(b, Hkv, D))
+            return qk[:, :H]
+
+        t_ref = timeit(torch_rope, dev, iters)
+        t_n = timeit(lambda: native.rope_store_kv(qkv, H, Hkv, tables[0], tables[1], slots, kc, vc), dev, iters)
+        report(rows, "rope_store_kv", f"H={H}/{Hkv} D={D} B={b}", t_ref, t_n, 0, dev, "native")
+
+
+def bench_native_linear(rows, iters, quick):
+    """The projections at SmolLM2's shapes, weights coming from memory as in a decode step (each call
+    takes the next of several copies, > 64 MB in all): F.linear (MKL) against the native panel GEMM
+    and oneDNN's prepacked GEMM (the engine's path where no C compiler is found)."""
+    from deepinfer.engine.cpu_linear import PACK_HINT_M, onednn_available
+    from deepinfer_kernels import native
+
+    dev = torch.device("cpu")
+    g = torch.Generator().manual_seed(4)
+    for n, k in ((960, 576), (1536, 576), (576, 1536)):
+        copies = max(2, (64 << 20) // (n * k * 4) + 1)
+        ws = [torch.randn(n, k, generator=g) for _ in range(copies)]
+        packed = [native.pack_weight(w) for w in ws]
+        dnnl = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M) for w in ws] if onednn_available() else None
+        for m in (1, 32) if quick else (1, 4, 32, 128, 1024):
+            x = torch.randn(m, k, generator=g)
+            it = {"i": 0}
+
+            def cycling(fn):
+                def call():
+                    it["i"] = (it["i"] + 1) % copies
+                    return fn(it["i"])
+                return call
+
+            t_ref = timeit(cycling(lambda i: F.linear(x, ws[i])), dev, iters)
+            t_n = timeit(cycling(lambda i: native.linear(x, packed[i])), dev, iters)
+            report(rows, "linear", f"N={n} K={k} M={m} (cold weights)", t_ref, t_n, 0, dev, "native")
+            if dnnl is not None:
+                t_d = timeit(cycling(lambda i: torch.ops.mkldnn._linear_pointwise(x, dnnl[i], None, "none", [], "")), dev, iters)
+                report(rows, "linear", f"N={n} K={k} M={m} (cold weights)", t_ref, t_d, 0, dev, "onednn")
 
 
 def main(argv=None) -> int:

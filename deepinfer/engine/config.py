@@ -36,8 +36,9 @@ class EngineConfig:
     grammar_fallback: bool = True
     jump_forward: bool = True
     kernels: str = "auto"  # custom kernels: "auto" (per op and device, as measured) | "torch" | "tilelang"
-    # CPU fp32: keep a oneDNN-packed copy of every projection weight (1.6-2.6x faster batched
-    # GEMMs, measured; costs a second copy of the weights in memory)
+    # CPU fp32: keep a packed copy of every projection weight for the native panel GEMM (oneDNN's
+    # layout where no C compiler is found): 1.1-2.2x faster than F.linear at every batch size
+    # (benchmarks/kernels.py); costs a second copy of the weights in memory
     cpu_prepack: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
     cache_dir: str | None = None  # where converted models are cached

@@ -3,10 +3,11 @@
 Two backends, measured on the reference 2-core CPU (AVX-512, fp32) against ``F.linear`` (MKL):
 
 * ``native`` (default where the native kernels build): deepinfer_kernels.native's panel GEMM
-  (csrc/gemm.c). Per step it streams every weight once with the partial sums in registers; on
-  SmolLM2's shapes with the weights coming from memory it runs 1.3x oneDNN's packed GEMM at 32
-  rows, 1.5-1.9x at 1-4 rows and equal to 1.1x at prefill sizes; gate/up run as one call with
-  silu * mul applied in registers. Each output is one multiply-add chain over k in order, so it is
+  (csrc/gemm.c), the weight streamed once per call with the partial sums in registers. On
+  SmolLM2's shapes with the weights coming from memory: 1.4-2.2x oneDNN's packed GEMM at 1 row,
+  1.1-1.25x at 32, about equal at prefill sizes; in the engine (A/B in one process) batch-1
+  decode 1.7x faster than the chunked GEMV below, batch 32 1.15-1.2x faster than oneDNN. gate/up
+  run as one call with silu * mul applied in registers. Each output is one multiply-add chain over k in order, so it is
   batch-invariant for every batch size, one row included.
 * ``onednn`` (no C compiler): oneDNN GEMMs with the weight reordered once
   (``torch.ops.mkldnn._reorder_linear_weight``), 1.6-2.6x faster than MKL's ``F.linear``, which

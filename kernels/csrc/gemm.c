@@ -3,9 +3,9 @@
  * W is packed once at load into panels of NR = 48 output columns: panel p holds W[48p .. 48p+48, :]
  * transposed, [K][48], zero-padded past N. A tile of up to MR = 8 rows of x times one panel keeps its
  * 8 x 48 sums in 24 vector registers while the panel streams through once per tile; threads split
- * the panels. Measured against oneDNN's prepacked GEMM on SmolLM2's shapes (2-core AVX-512):
- * 1.3x at 32 rows with weights streamed from memory, 1.5-1.9x at 1-4 rows, equal to 1.1x at
- * prefill sizes (benchmarks/kernels.py).
+ * the panels. Against oneDNN's prepacked GEMM on SmolLM2's shapes with the weights coming from
+ * memory (2-core AVX-512, benchmarks/kernels.py): 1.4-2.2x at 1 row, 1.1-1.5x at 4, 1.1-1.25x
+ * at 32, 1.0-1.2x at 128 and about equal at prefill sizes.
  *
  * Every output element is one multiply-add chain over k = 0 .. K-1 in order, whatever the number of
  * rows or the tile a row lands in, so a row's result never depends on the other rows (batch-invariant
