@@ -101,8 +101,6 @@ class Engine:
         self.kv = KVCacheManager(self.allocator, radix)
         self.scheduler = Scheduler(cfg, self.kv)
         self.sampler = Sampler()
-        if cfg.batch_invariant:
-            self._enable_batch_invariant()
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
@@ -723,16 +721,6 @@ class Engine:
             bar.close()
         self._drain()  # release what the last forward in flight still holds
         return [results[o] if isinstance(o, str) else o for o in order]
-
-    def _enable_batch_invariant(self) -> None:
-        """Swap every op whose reduction order could depend on the batch for an invariant one."""
-        from deepinfer.engine import batch_invariant as bi
-        from deepinfer.engine.attention import paged_attention_batch_invariant
-
-        # (the runner already chose an invariant linear: it knows the device and weights)
-        self.runner.attention_fn = paged_attention_batch_invariant
-        if self.runner.token_attention is None:  # else the runner's native norms (row by row) are kept
-            self.runner.model.set_norm_impl(bi.bi_rmsnorm)
 
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

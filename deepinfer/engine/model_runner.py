@@ -75,6 +75,8 @@ class ModelRunner:
         self.token_attention_all = False  # every token through it (batch-invariant mode), not only short ones
         self.rope_store_kv = None  # deepinfer_kernels.native.rope_store_kv when selected
         self._select_kernels()
+        if config.batch_invariant:
+            self._use_batch_invariant_ops()
 
     def _select_linear(self):
         """The projection op: GEMMs on weights packed at load on CPU fp32 (native panels, else oneDNN:
@@ -136,6 +138,18 @@ class ModelRunner:
             self.model.set_fused_add_norm(K.fused_add_rmsnorm)
         if attn:
             self.decode_kernel = K.paged_decode_attention
+
+    def _use_batch_invariant_ops(self) -> None:
+        """Batch-invariant mode: every op whose reduction order could depend on the batch is swapped
+        for an invariant one. The linear (`_select_linear`) and, where native, the attention and norms
+        (`_select_kernels`) were chosen invariant already; attention goes through the invariant
+        dispatcher, and without native norms RMSNorm takes the row-wise torch version."""
+        from deepinfer.engine import batch_invariant as bi
+        from deepinfer.engine.attention import paged_attention_batch_invariant
+
+        self.attention_fn = paged_attention_batch_invariant
+        if self.token_attention is None:
+            self.model.set_norm_impl(bi.bi_rmsnorm)
 
     def _num_blocks(self) -> int:
         cfg = self.config
