@@ -7,8 +7,8 @@ Two backends, measured on the reference 2-core CPU (AVX-512, fp32) against ``F.l
   SmolLM2's shapes with the weights coming from memory: 1.4-2.2x oneDNN's packed GEMM at 1 row,
   1.1-1.25x at 32, about equal at prefill sizes; in the engine (A/B in one process) batch-1
   decode 1.7x faster than the chunked GEMV below, batch 32 1.15-1.2x faster than oneDNN. gate/up
-  run as one call with silu * mul applied in registers. Each output is one multiply-add chain over k in order, so it is
-  batch-invariant for every batch size, one row included.
+  run as one call with silu * mul applied in registers. Each output is one multiply-add chain over
+  k in order, so it is batch-invariant for every batch size, one row included.
 * ``onednn`` (no C compiler): oneDNN GEMMs with the weight reordered once
   (``torch.ops.mkldnn._reorder_linear_weight``), 1.6-2.6x faster than MKL's ``F.linear``, which
   re-packs the weight on every call; 1-4 rows take ``chunked_linear`` (MKL runs a GEMV on one
