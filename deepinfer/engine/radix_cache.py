@@ -186,23 +186,29 @@ class RadixCache:
         p = self.page_size
         limit = len(token_ids) if max_tokens is None else min(len(token_ids), max(0, max_tokens))
         limit -= limit % p
-        key = token_ids[:limit]
-        now = self._tick()
-        node = self.root
+        node, pos = self.root, 0
         blocks: list[int] = []
-        pos = 0
-        while pos < limit:
+        for node, start in self._walk(token_ids[:limit], self._tick()):
+            blocks.extend(node.blocks)
+            pos = start + len(node.key)
+        return PrefixMatch(blocks, pos, node)
+
+    def _walk(self, key: Sequence[int], now: int):
+        """Descend from the root along the whole pages of ``key``: yields ``(node, start)`` for each
+        matched node in order (``start``: its first token's position), splitting a node where the
+        match ends inside it and marking each one used at ``now``."""
+        node, pos = self.root, 0
+        while pos < len(key):
             child = node.children.get(self._page_key(key, pos))
             if child is None:
-                break
+                return
             pages = self._common_pages(child.key, key, pos)
-            if pages * p < len(child.key):
+            if pages * self.page_size < len(child.key):
                 child = self._split(child, pages)
             child.last_access = now
-            blocks.extend(child.blocks)
+            yield child, pos
             pos += len(child.key)
             node = child
-        return PrefixMatch(blocks, pos, node)
 
     def peek_prefix_len(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Length of the cached prefix ``match_prefix`` would return, read-only: no split, no
@@ -273,19 +279,12 @@ class RadixCache:
         total = len(blocks) * p
         key = token_ids[:total]
         now = self._tick()
-        node = self.root
-        pos = 0
+        node, pos = self.root, 0
         tree_blocks: list[int] = []
         duplicates: list[int] = []
-        while pos < total:
-            child = node.children.get(self._page_key(key, pos))
-            if child is None:
-                break
-            pages = self._common_pages(child.key, key, pos)
-            if pages * p < len(child.key):
-                child = self._split(child, pages)
-            page0 = pos // p
-            for i, tb in enumerate(child.blocks):
+        for node, start in self._walk(key, now):
+            page0 = start // p
+            for i, tb in enumerate(node.blocks):
                 cb = blocks[page0 + i]
                 if cb != tb:
                     if cb in self._owned:
@@ -293,10 +292,8 @@ class RadixCache:
                             f"block {cb} handed to insert for page {page0 + i} is owned by the tree for another page"
                         )
                     duplicates.append(cb)
-            child.last_access = now
-            tree_blocks.extend(child.blocks)
-            pos += len(child.key)
-            node = child
+            tree_blocks.extend(node.blocks)
+            pos = start + len(node.key)
         cached = pos
         new_blocks = blocks[pos // p :]
         for b in new_blocks:
