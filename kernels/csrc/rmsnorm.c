@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "lanes.h"
+#include "vec16.h"
 
 static void row(const float *x, const float *r, const float *w, float eps, float *out, float *res, int64_t D) {
     const float *s = x;

@@ -15,7 +15,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "lanes.h"
 #include "vec16.h"
 
 #define MAX_DV 8 /* head dims up to 8 x 16 = 128 take the vector path */

@@ -1,6 +1,7 @@
-/* 16-float vectors through GCC/Clang vector extensions: AVX-512 where the CPU has it, split into
- * narrower registers elsewhere (the library is built with -march=native). Every reduction here has a
- * fixed order, so results depend only on the inputs. */
+/* The native kernels' arithmetic helpers: 16-float vectors through GCC/Clang vector extensions
+ * (AVX-512 where the CPU has it, narrower registers elsewhere; the library is built with
+ * -march=native), and a dot product for any length. Every reduction here has a fixed order, so
+ * results depend only on the inputs. */
 #ifndef DEEPINFER_VEC16_H
 #define DEEPINFER_VEC16_H
 #include <stdint.h>
@@ -52,5 +53,18 @@ static inline v16 exp16(v16 x) {
     i16v big = x > hi;
     x = (v16)(((i16v)hi & big) | ((i16v)x & ~big));
     return exp16_nonpos(x); /* (its lower clamp and range reduction hold for any x <= 88) */
+}
+
+/* Dot product of any length in 16 independent lanes (GCC vectorises them without -ffast-math),
+ * summed by a fixed tree (RMSNorm, and attention for head dims that are not a multiple of 16). */
+static inline float dot_lanes(const float *a, const float *b, int64_t D) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < D; ++i, ++l) acc[l] += a[i] * b[i];
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
 }
 #endif
