@@ -30,6 +30,18 @@ def timed(fn, *args, **kwargs):
     return r, time.perf_counter() - t
 
 
+def best_ms(fn, reps: int = 30) -> float:
+    """Best-of-reps wall time of fn() in milliseconds, after one warm-up call (best-of, because the
+    machine is shared and noisy)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Measured memory read bandwidth (GB/s): best sum over a buffer much larger than the caches.
 
@@ -37,13 +49,7 @@ def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     57 GB/s on this VM, likely because the host merges identical pages, against ~31 GB/s for
     random data (what reading real weights sees)."""
     x = torch.rand(num_bytes // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return num_bytes / best / 1e9
+    return num_bytes / (best_ms(x.sum, repeats) / 1e3) / 1e9
 
 
 def hf_reference_model(model: str | None = None):

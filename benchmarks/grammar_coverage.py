@@ -16,9 +16,13 @@ import argparse
 import importlib.util
 import os
 import pathlib
-import time
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import best_ms  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT.parent / "shared" / "jsonschemabench"
@@ -50,16 +54,6 @@ def coverage(args) -> None:
         print(r.row(), flush=True)
         for f in r.failures[: args.show_failures]:
             print("    failed:", f)
-
-
-def _best_ms(fn, reps: int = 30) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def _real_masks(V: int) -> dict[str, torch.Tensor]:
@@ -107,8 +101,8 @@ def bitmask_timing(threads: int | None = None) -> None:
                     mask = torch.full((B, W), -1, dtype=torch.int32)
                     mask[:, torch.randint(0, W, (20,), generator=g)] = 0x7EFEFEFE
                 logits = torch.randn(B, V, generator=g)
-                ours = _best_ms(lambda: apply_token_bitmask_(logits, mask))
-                theirs = _best_ms(lambda: xgr.apply_token_bitmask_inplace(logits, mask))
+                ours = best_ms(lambda: apply_token_bitmask_(logits, mask))
+                theirs = best_ms(lambda: xgr.apply_token_bitmask_inplace(logits, mask))
                 print(f"  V={V:6d} B={B:2d} {kind:10s}  ours {ours:7.3f}  xgrammar {theirs:7.3f}  "
                       f"speedup {theirs / ours:5.2f}x", flush=True)
 

@@ -29,7 +29,7 @@ How each op is made invariant:
 
 Verified by tests/batch_invariant on the 2-core CPU (default and 16 threads) and on a 16-core
 CPU + H200 GPU. Cost over plain torch (fp32, 2 threads, best-of-N, run
-tests/batch_invariant/bench_bi_ops.py): ``bi_matmul`` 4-5x at M=1 for the 576-wide layers
+benchmarks/bi_ops.py): ``bi_matmul`` 4-5x at M=1 for the 576-wide layers
 (0.02-0.05 ms -> 0.08-0.19 ms: 16 padded columns), 1.2-2.3x at M=8, ~1x at M=32, 1.4-1.7x at
 M=128; the 576x49152 lm_head 2.5x at M=1, 0.7x at M=8, 1.7x at M=32, 3.5x at M=128 (it re-reads
 the weight per 16-row tile). ``bi_attention`` is 4.5-10x slower than

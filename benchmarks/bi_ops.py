@@ -1,25 +1,19 @@
 """Benchmark (not a test): overhead of the batch-invariant ops over plain torch.
 
-Run: .venv/bin/python tests/batch_invariant/bench_bi_ops.py
+Run: .venv/bin/python benchmarks/bi_ops.py
 Prints best-of-N milliseconds (best-of because the machine may be shared and noisy).
 """
 
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.batch_invariant import bi_attention, bi_matmul
+sys.path.insert(0, os.path.dirname(__file__))
 
-
-def best_ms(fn, reps):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+from common import best_ms  # noqa: E402
+from deepinfer.engine.batch_invariant import bi_attention, bi_matmul  # noqa: E402
 
 
 def bench_matmul():
