@@ -34,7 +34,18 @@ class EngineConfig:
     overlap_schedule: bool = False
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
     grammar_fallback: bool = True
+    # verify the grammar's forced continuation (e.g. a JSON key) as draft tokens: one forward pass
+    # for the whole run instead of one per token, and the output is what it would be without it
+    # (in the synchronous loop; the overlapped loop decodes forced text token by token)
     jump_forward: bool = True
+    # speculative decoding: "ngram" (prompt lookup: drafts copied from earlier in the sequence) or
+    # None. Drafts are verified exactly (outputs identical with it on or off); it runs in the
+    # synchronous loop; sequences under a grammar with jump_forward on get the grammar's drafts.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # most draft tokens verified per sequence per step
+    # size each step's verification by the drafts' learned confidence and the forward cost measured
+    # at start (speculation.py); False verifies every draft the drafter proposes
+    speculative_budget: bool = True
     kernels: str = "auto"  # custom kernels: "auto" (per op and device, as measured) | "torch" | "tilelang"
     # CPU fp32: keep a packed copy of every projection weight for the native panel GEMM (oneDNN's
     # layout where no C compiler is found): 1.1-2.2x faster than F.linear at every batch size
@@ -63,6 +74,15 @@ class EngineConfig:
             raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
         if self.kernels not in ("auto", "torch", "tilelang"):
             raise bad(f"kernels must be 'auto', 'torch' or 'tilelang', got {self.kernels!r}")
+        if self.speculative not in (None, "ngram"):
+            if self.speculative in ("draft", "mtp"):
+                raise bad(f"speculative={self.speculative!r} is not available yet; use 'ngram' or None")
+            raise bad(f"speculative must be 'ngram' or None, got {self.speculative!r}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens < 1:
+            raise bad(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
+        if self.speculative is not None and self.overlap_schedule:
+            raise bad("speculative decoding runs in the synchronous loop: set overlap_schedule=False")
         if self.grammar_backend not in ("xgrammar", "outlines"):
             raise bad(f"grammar_backend must be 'xgrammar' or 'outlines', got {self.grammar_backend!r}")
 

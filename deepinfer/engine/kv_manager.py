@@ -89,8 +89,10 @@ class KVCacheManager:
         bt = seq.block_table
         own_start = seq.num_tree_blocks
         if self.radix is not None and self.radix.enabled:
-            n_full = min(seq.num_computed_tokens // self.block_size, len(bt))
-            tokens = seq.all_token_ids[: n_full * self.block_size]
+            tokens = seq.all_token_ids
+            # only verified tokens go to the tree: KV past them (rejected drafts) is not cached
+            n_full = min(min(seq.num_computed_tokens, len(tokens)) // self.block_size, len(bt))
+            tokens = tokens[: n_full * self.block_size]
             if n_full > 0:
                 self.radix.insert(tokens, bt[:n_full])
             leftover = bt[max(n_full, own_start) :]
@@ -103,6 +105,24 @@ class KVCacheManager:
         seq.prefix_node = None
         seq.block_table = []
         seq.num_tree_blocks = 0
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the KV of every token from position num_tokens on (rejected draft tokens): the
+        sequence counts only the first num_tokens as computed, and blocks it no longer needs go back
+        to the allocator. Pages owned by the radix tree hold verified tokens and are never cut."""
+        if num_tokens >= seq.num_computed_tokens:
+            return
+        if num_tokens < seq.num_tree_blocks * self.block_size:
+            raise ValueError(
+                f"cannot truncate {seq.request_id} to {num_tokens} tokens: its first "
+                f"{seq.num_tree_blocks * self.block_size} are shared through the prefix cache"
+            )
+        seq.num_computed_tokens = num_tokens
+        keep = max(-(-num_tokens // self.block_size), seq.num_tree_blocks)
+        extra = seq.block_table[keep:]
+        if extra:
+            del seq.block_table[keep:]
+            self.allocator.free(extra)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Put a live sequence's computed full pages into the radix cache now (locked by it), so

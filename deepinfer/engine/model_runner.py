@@ -1,4 +1,4 @@
-"""Owns the model weights and the KV-cache tensors; turns a scheduled batch into logits."""
+"""Owns the model weights and the KV-cache tensors; turns a ForwardBatch (plain tensors) into logits."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from deepinfer.engine.attention import ForwardContext, PrefillChunk, TokenAttentionInputs
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.registry import build_model
-from deepinfer.engine.scheduler import ScheduledSeq
 
 
 def available_memory(device: torch.device) -> int:
@@ -32,6 +32,9 @@ def available_memory(device: torch.device) -> int:
 # (one call instead of one SDPA per chunk); above it SDPA is faster (measured: equal at 20 x 20,
 # SDPA 1.9x at 64 x 64, 8x at 2048 x 2048)
 NATIVE_CHUNK_WORK = 4096
+# runs of this many query tokens or fewer (decodes with draft tokens to verify) always go native, so
+# a verified row computes its attention exactly as a single decode at that position would
+NATIVE_MAX_QUERY = 16
 
 
 def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -40,13 +43,6 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
     p = torch.arange(length)
     blocks = (p // block_size).expand(block_tables.shape[0], length).clamp(max=block_tables.shape[1] - 1)
     return block_tables.gather(1, blocks) * block_size + p % block_size
-
-
-@dataclass
-class ForwardResult:
-    logits: torch.Tensor  # [R, V] fp32 for the requested rows
-    sample_rows: list[int]  # for each scheduled seq that completes: its row in `logits`, else -1
-    prompt_rows: list[tuple[int, int] | None]  # per scheduled seq: (first row, count) of prompt-logprob rows
 
 
 class ModelRunner:
@@ -169,51 +165,51 @@ class ModelRunner:
         bs = self.block_size
         self.kv_cache[:, :, dst_block * bs : dst_block * bs + n] = self.kv_cache[:, :, src_block * bs : src_block * bs + n]
 
-    def prepare(self, scheduled: list[ScheduledSeq], want_prompt_logprobs: list[bool], completes: list[bool]) -> "PreparedBatch":
-        """Host-side batch layout (token ids, positions, slots, gather indices, logit rows).
+    def measure_forward_cost(self, sizes: list[int], repeats: int = 2) -> list[tuple[int, float]]:
+        """(T, seconds) of a decode-shaped forward pass over T query tokens with logits for every row,
+        best of `repeats`: the cost model of speculative verification. Call before any request runs:
+        the scratch tokens write their KV into the first blocks, which are free then."""
+        import time
 
-        `scheduled` must list decodes (1 token after a computed prefix) before multi-token chunks.
-        Token ids < 0 are placeholders for tokens the previous step is still sampling: -(r + 1)
-        is row r of that step's sampled tokens, resolved on the device in `forward`.
-        """
         bs = self.block_size
-        dev = self.device
-        ids: list[int] = []
-        pos_starts: list[int] = []
-        lens: list[int] = []
-        for s in scheduled:
-            nc = s.seq.num_computed_tokens
-            ids.extend(s.seq.all_token_ids[nc : nc + s.num_tokens])
-            pos_starts.append(nc)
-            lens.append(s.num_tokens)
-        nd = 0
-        while nd < len(scheduled) and lens[nd] == 1 and pos_starts[nd] > 0:
-            nd += 1
-        assert all(not (lens[i] == 1 and pos_starts[i] > 0) for i in range(nd, len(scheduled))), "decodes must come first"
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        bt = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
-        for i, s in enumerate(scheduled):
-            bt[i, : len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        starts_t = torch.tensor(pos_starts, dtype=torch.long)
-        row_seq = torch.repeat_interleave(torch.arange(len(scheduled)), lens_t)
-        offs = torch.arange(len(ids)) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
-        positions = starts_t[row_seq] + offs
-        slot_mapping = bt[row_seq, positions // bs] * bs + positions % bs
+        table = list(range(-(-2 // bs)))  # room for positions 0 and 1
+        if len(table) > self.num_blocks:
+            raise ValueError("KV cache too small to measure the forward cost")
+        points = []
+        for T in sizes:
+            batch = ForwardBatch.build([[0]] * T, [1] * T, [table] * T, list(range(T)), bs)
+            prepared = self.prepare(batch)
+            self.forward(prepared)  # warm-up (first-use costs of this shape)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.forward(prepared)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                best = min(best, time.perf_counter() - t0)
+            points.append((T, best))
+        return points
 
-        ctx = ForwardContext(slot_mapping=slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn,
+    def prepare(self, batch: ForwardBatch) -> "PreparedBatch":
+        """The attention metadata of a batch (gather indices, prefill chunks, native-kernel inputs),
+        built on the host; `forward` then only runs the model."""
+        bs = batch.block_size
+        dev = self.device
+        bt = batch.block_tables
+        nd = batch.num_decodes
+        lens = batch.query_lens.tolist()
+        ctx_lens_l = batch.context_lens.tolist()
+        ctx = ForwardContext(slot_mapping=batch.slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn,
                              silu_mul=getattr(self.linear, "silu_mul", None))
         if self.token_attention is not None:
-            ctx_lens = starts_t + lens_t
-            L = int(ctx_lens.max())
-            ctx_idx = _context_slots(bt, L, bs)
+            row_seq = torch.repeat_interleave(torch.arange(batch.num_seqs), batch.query_lens)
+            L = max(ctx_lens_l)
             ctx.token_attention = self.token_attention
             ctx.rope_store_kv = self.rope_store_kv
-            ctx.tokens = TokenAttentionInputs(ctx_idx, row_seq, positions + 1, L)
+            ctx.tokens = TokenAttentionInputs(_context_slots(bt, L, bs), row_seq, batch.positions + 1, L)
         if nd and self.token_attention is None:
-            ctx_lens = starts_t[:nd] + 1
-            L = int(ctx_lens.max())
+            ctx_lens = batch.context_lens[:nd]
+            L = max(ctx_lens_l[:nd])
             gather = _context_slots(bt[:nd], L, bs)
             valid = torch.arange(L)[None, :] < ctx_lens[:, None]
             ctx.num_decode = nd
@@ -225,59 +221,42 @@ class ModelRunner:
                 ctx.decode_block_tables = bt[:nd].to(torch.int32).to(dev)
                 ctx.decode_context_lens = ctx_lens.to(torch.int32).to(dev)
         q_start = nd
-        for i in range(nd, len(scheduled)):
-            nc, n = pos_starts[i], lens[i]
-            native = ctx.tokens is not None and (self.token_attention_all or n * (nc + n) <= NATIVE_CHUNK_WORK)
+        for i in range(nd, batch.num_seqs):
+            n, total = lens[i], ctx_lens_l[i]
+            nc = total - n
+            native = ctx.tokens is not None and (
+                self.token_attention_all or n <= NATIVE_MAX_QUERY or n * total <= NATIVE_CHUNK_WORK
+            )
             gidx = None
             if nc > 0 and not native:
-                p = torch.arange(nc + n)
+                p = torch.arange(total)
                 gidx = (bt[i, p // bs] * bs + p % bs).to(dev)
             if ctx.tokens is not None and not native:
                 ctx.tokens.lens[q_start : q_start + n] = 0  # left to SDPA
-            ctx.prefills.append(PrefillChunk(q_start, n, nc + n, gidx, native))
+            ctx.prefills.append(PrefillChunk(q_start, n, total, gidx, native))
             q_start += n
-
-        # rows whose logits are needed: the last row of every completing seq, all rows for prompt logprobs
-        rows: list[int] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[tuple[int, int] | None] = []
-        start = 0
-        for n, want, done in zip(lens, want_prompt_logprobs, completes):
-            if want:
-                prompt_rows.append((len(rows), n))
-                rows.extend(range(start, start + n))
-                sample_rows.append(len(rows) - 1 if done else -1)
-            else:
-                prompt_rows.append(None)
-                if done:
-                    sample_rows.append(len(rows))
-                    rows.append(start + n - 1)
-                else:
-                    sample_rows.append(-1)
-            start += n
-        return PreparedBatch(input_ids, positions, ctx, rows, sample_rows, prompt_rows)
+        return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows)
 
     @torch.inference_mode()
-    def forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None) -> ForwardResult:
-        """Run the model over a prepared batch; placeholders are filled from prev_tokens first."""
+    def forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the model over a prepared batch; returns the logits [R, V] of its logit rows.
+        Placeholder ids are filled from prev_tokens first."""
         import deepinfer_kernels as K
 
         with K.use_backend(self.kernels):  # (a context variable: set in the thread that runs this)
             return self._forward(batch, prev_tokens)
 
-    def _forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None) -> ForwardResult:
+    def _forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None) -> torch.Tensor:
         dev = self.device
         ids = batch.input_ids.to(dev, non_blocking=True)
         if prev_tokens is not None:
             ph = ids < 0
             ids = torch.where(ph, prev_tokens.to(dev)[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
         hidden = self.model(ids, batch.positions.to(dev), batch.ctx, self.kv_caches)
-        if batch.rows:
-            sel = hidden.index_select(0, torch.tensor(batch.rows, dtype=torch.long, device=dev))
-            logits = self.model.compute_logits(sel, batch.ctx)
-        else:
-            logits = torch.empty(0, self.model_config.vocab_size, device=dev)
-        return ForwardResult(logits, batch.sample_rows, batch.prompt_rows)
+        if batch.logit_rows.numel():
+            sel = hidden.index_select(0, batch.logit_rows.to(dev))
+            return self.model.compute_logits(sel, batch.ctx)
+        return torch.empty(0, self.model_config.vocab_size, device=dev)
 
 
 @dataclass
@@ -285,6 +264,4 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [T] (may hold placeholders < 0)
     positions: torch.Tensor  # [T]
     ctx: ForwardContext
-    rows: list[int]  # hidden rows whose logits are computed
-    sample_rows: list[int]
-    prompt_rows: list[tuple[int, int] | None]
+    logit_rows: torch.Tensor  # [R] hidden rows whose logits are computed

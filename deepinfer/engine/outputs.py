@@ -37,6 +37,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     grammar_backend: str | None = None
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens the model verified
+    num_accepted_draft_tokens: int = 0  # of those, accepted (each saved one decode step)
 
     @property
     def num_prompt_tokens(self) -> int:

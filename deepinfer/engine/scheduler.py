@@ -1,7 +1,7 @@
 """Continuous batching: decide which tokens of which sequences the next forward pass computes.
 
-Each step has a token budget. Running sequences go first (one token each when decoding, or their
-next prefill chunk / jump-forward tokens), then waiting sequences are admitted with a chunk of
+Each step has a token budget. Running sequences go first (one token each when decoding, plus any
+draft tokens to verify, or their next prefill chunk / jump-forward tokens), then waiting sequences are admitted with a chunk of
 their prompt while budget, sequence slots and KV blocks last. When blocks run out for a running
 sequence, the latest-arrived running sequence is preempted (its KV is dropped and recomputed later;
 its computed pages stay in the radix cache, so the recompute is often a cache hit).
@@ -20,12 +20,12 @@ from deepinfer.engine.sequence import Sequence, SeqStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (incl. drafts)
 
     @property
     def completes(self) -> bool:
         """After this step every token of the sequence has KV, so its next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens >= self.seq.num_tokens
 
 
 @dataclass
@@ -83,11 +83,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = remaining if remaining == 1 else self._chunk(remaining, budget)
+            n = self._running_tokens(seq, budget)
             if n == 0:
                 break
+            if seq.draft_token_ids:
+                del seq.draft_token_ids[n - 1 :]
             while not self.kv.allocate_for(seq, seq.num_computed_tokens + n):
+                if seq.draft_token_ids:  # short of blocks: verify no drafts rather than preempt
+                    seq.draft_token_ids.clear()
+                    n = 1
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
@@ -147,8 +152,7 @@ class Scheduler:
     def _running_fits(self, budget: int) -> bool:
         need = 0
         for seq in self.running:
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = remaining if remaining == 1 else self._chunk(remaining, budget)
+            n = self._running_tokens(seq, budget)
             if n <= 0:
                 break
             need += self.kv.blocks_needed(seq, seq.num_computed_tokens + n)
@@ -156,6 +160,14 @@ class Scheduler:
             if budget <= 0:
                 break
         return need <= self.kv.num_available_blocks()
+
+    def _running_tokens(self, seq: Sequence, budget: int) -> int:
+        """Query tokens of a running sequence this step: its next prefill chunk, or its last token
+        plus the draft tokens to verify (as many as the budget leaves room for)."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining != 1:
+            return self._chunk(remaining, budget)
+        return min(1 + len(seq.draft_token_ids), budget)
 
     def _chunk(self, remaining: int, budget: int, allow_over: bool = False) -> int:
         if remaining <= budget:
@@ -168,6 +180,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.release(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids.clear()
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -47,6 +47,10 @@ class Sequence:
     discarded: set[int] = field(default_factory=set)  # ids of steps whose sample must be dropped
     next_mask: Any = None  # grammar bitmask row for the pending sample, filled ahead (overlap mode)
     next_mask_step: int = -1  # the step that bitmask is for
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step, unverified
+    draft_key: Any = None  # what the drafts' acceptance is learned under (speculation.DraftConfidence)
+    num_draft_tokens: int = 0  # drafts verified by the target so far
+    num_accepted_draft_tokens: int = 0  # of those, accepted
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -17,6 +17,12 @@ class EngineStats:
     generated_tokens: int = 0  # tokens sampled
     jump_forward_tokens: int = 0  # tokens appended by grammar jump-forward, without a decode step
     num_preemptions: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_draft_tokens: int = 0  # of those, accepted
+    verify_runs: int = 0  # (sequence, step) pairs that verified at least one draft
+    drafts_proposed: int = 0  # draft tokens the drafter offered (the verify budget admits some)
+    drafts_admitted: int = 0
+    draft_plans: int = 0  # steps that planned drafts
     schedule_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
@@ -36,6 +42,26 @@ class EngineStats:
             if len(self.grammar_step_samples) >= 100_000:
                 del self.grammar_step_samples[:50_000]
             self.grammar_step_samples.append(seconds / rows)
+
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_draft_tokens += accepted
+        self.verify_runs += 1
+
+    def record_draft_plan(self, proposed: int, admitted: int) -> None:
+        self.drafts_proposed += proposed
+        self.drafts_admitted += admitted
+        self.draft_plans += 1
+
+    @property
+    def verify_tokens_per_step(self) -> float:
+        """Draft tokens the budget admitted per planned step."""
+        return self.drafts_admitted / self.draft_plans if self.draft_plans else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verifying (sequence, step): 1 + accepted drafts on average."""
+        return 1.0 + self.accepted_draft_tokens / self.verify_runs if self.verify_runs else 0.0
 
     def record_forward(self, start: float, end: float) -> None:
         """Called once per forward pass (from whichever thread runs it)."""

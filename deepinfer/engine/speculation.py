@@ -1,0 +1,145 @@
+"""Confidence-scheduled verification: how many of each sequence's draft tokens the next step verifies.
+
+Every draft position carries a confidence, the probability that it is accepted given that the
+drafts before it were: learned online per (drafter, match length, position) from what verification
+accepted (a Beta prior of `PRIOR_ACCEPT` over `PRIOR_WEIGHT` trials until data arrives). A slot's
+survival probability is the product of the confidences up to it. Per step, slots are admitted in
+order of survival probability while the expected tokens per second of the step rises, under a cost
+model of a forward pass over T tokens measured when the engine starts. At batch 1 on a
+bandwidth-bound CPU a few more tokens cost almost nothing, so every likely draft is verified; at
+large batches the forward is compute-bound, each slot costs its share, and only near-certain drafts
+are (no user flag needed for that).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from deepinfer.engine.drafter import NgramDrafter
+from deepinfer.engine.sequence import Sequence
+
+PRIOR_ACCEPT = 0.5
+PRIOR_WEIGHT = 4.0
+# a slot counts for this share of its survival probability when it is weighed against its cost:
+# confidences are estimates and forward times noisy, so a slot that merely breaks even is left out
+DISCOUNT = 0.95
+
+
+class ForwardCost:
+    """Seconds of one forward pass over T query tokens: piecewise linear between measured points
+    (and extrapolated from the last two)."""
+
+    def __init__(self, points: list[tuple[int, float]]):
+        pts = sorted(points)
+        if len(pts) < 2:
+            raise ValueError("ForwardCost needs at least two measured points")
+        self.T = [t for t, _ in pts]
+        # monotone: a larger batch never costs less (measurement noise can say otherwise)
+        self.s = []
+        for _, s in pts:
+            self.s.append(max(s, self.s[-1]) if self.s else s)
+
+    def __call__(self, T: int) -> float:
+        i = bisect.bisect_left(self.T, T)
+        if i < len(self.T) and self.T[i] == T:
+            return self.s[i]
+        i = min(max(i, 1), len(self.T) - 1)
+        t0, t1, s0, s1 = self.T[i - 1], self.T[i], self.s[i - 1], self.s[i]
+        return max(s0 + (s1 - s0) * (T - t0) / (t1 - t0), 1e-9)
+
+
+class DraftConfidence:
+    """P(draft j accepted | drafts before it accepted), per key (e.g. the n-gram match length)."""
+
+    def __init__(self, max_draft: int):
+        self.max_draft = max_draft
+        self._trials: dict[tuple, list[float]] = {}
+        self._hits: dict[tuple, list[float]] = {}
+
+    def confidences(self, key: tuple, k: int) -> list[float]:
+        trials = self._trials.get(key)
+        hits = self._hits.get(key)
+        if trials is None:
+            return [PRIOR_ACCEPT] * k
+        return [(hits[j] + PRIOR_ACCEPT * PRIOR_WEIGHT) / (trials[j] + PRIOR_WEIGHT) for j in range(k)]
+
+    def observe(self, key: tuple, verified: int, accepted: int) -> None:
+        """verified drafts of one sequence in one step, of which the first `accepted` were accepted."""
+        trials = self._trials.setdefault(key, [0.0] * self.max_draft)
+        hits = self._hits.setdefault(key, [0.0] * self.max_draft)
+        for j in range(min(accepted + 1, verified)):  # draft j was tried only if all before it passed
+            trials[j] += 1
+            hits[j] += j < accepted
+
+
+def choose_lengths(survival: list[list[float]], base_tokens: int, base_gain: float, cost: ForwardCost) -> list[int]:
+    """How many drafts of each sequence to verify: admit (sequence, position) slots by survival
+    probability, keeping the count that maximises expected tokens gained per second."""
+    slots = sorted(((-p, j, i) for i, ps in enumerate(survival) for j, p in enumerate(ps)))
+    gain, T = base_gain, base_tokens
+    best_rate = gain / cost(T) if T else 0.0
+    best_n = 0
+    for n, (neg_p, _, _) in enumerate(slots, 1):
+        gain -= neg_p * DISCOUNT
+        T += 1
+        rate = gain / cost(T)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    lengths = [0] * len(survival)
+    for _, _, i in slots[:best_n]:
+        lengths[i] += 1
+    return lengths
+
+
+@dataclass
+class VerifyPlan:
+    """What one step verifies: the sequences with drafts and the draft tokens offered vs admitted."""
+
+    proposed: int = 0
+    admitted: int = 0
+
+
+class Speculator:
+    """Proposes drafts for decoding sequences, sizes their verification, and learns from results."""
+
+    def __init__(self, drafter: NgramDrafter, cost: ForwardCost | None, max_draft: int):
+        self.drafter = drafter
+        self.cost = cost  # None: verify every proposed draft (no budget)
+        self.max_draft = max_draft
+        self.confidence = DraftConfidence(max_draft)
+
+    def propose(self, seqs: list[tuple[Sequence, int]], base_tokens: int, base_gain: float) -> VerifyPlan:
+        """seqs: (decoding sequence, most drafts it may take); base_tokens / base_gain: the step's query
+        tokens and the tokens it yields without drafts. Sets seq.draft_token_ids (and the key its
+        acceptance is learned under) for the next step."""
+        drafted: list[tuple[Sequence, list[int], tuple]] = []
+        for seq, room in seqs:
+            tokens, n = self.drafter.propose(seq.all_token_ids, room)
+            if tokens:
+                drafted.append((seq, tokens, ("ngram", min(n, 4))))
+        plan = VerifyPlan(proposed=sum(len(t) for _, t, _ in drafted))
+        if not drafted:
+            return plan
+        if self.cost is None:
+            for seq, tokens, key in drafted:
+                seq.draft_token_ids, seq.draft_key = tokens, key
+            plan.admitted = plan.proposed
+            return plan
+        survival = []
+        for _, tokens, key in drafted:
+            p, ps = 1.0, []
+            for c in self.confidence.confidences(key, len(tokens)):
+                p *= c
+                ps.append(p)
+            survival.append(ps)
+        lengths = choose_lengths(survival, base_tokens, base_gain, self.cost)
+        for (seq, tokens, key), k in zip(drafted, lengths):
+            seq.draft_token_ids = tokens[:k]
+            seq.draft_key = key
+            plan.admitted += k
+        return plan
+
+    def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
+        if seq.draft_key is not None:
+            self.confidence.observe(seq.draft_key, verified, accepted)

@@ -1,0 +1,124 @@
+"""The grammar side of the engine: compile each request's constraint once, give its sequence a
+matcher, and mask the logits of every row a step samples.
+
+A sequence that verifies draft tokens samples several rows in one step: row j is drawn after drafts
+1..j, so its mask is the matcher's state after accepting them. The matcher is walked through the
+drafts and rolled back, so it ends the step where it began; the output processor then advances it
+through the tokens actually accepted. A draft the grammar rejects ends the walk: rows after it have
+no valid mask and are never accepted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.stats import EngineStats
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], backend: str, fallback: bool,
+                 stats: EngineStats):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.backend = backend
+        self.fallback = fallback
+        self.stats = stats
+        self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
+
+    @property
+    def token_bytes(self) -> list[bytes | None]:
+        return self._compiler.token_bytes
+
+    def attach(self, seq: Sequence, params: SamplingParams) -> None:
+        """Give seq a matcher for its constraint (if any). Raises GrammarError for an invalid spec."""
+        from deepinfer.grammar import GrammarCompiler, spec_from_params
+
+        p = params
+        spec = spec_from_params(
+            regex=p.regex, json_schema=p.json_schema, grammar=p.grammar, choices=p.choices, dtype=p.dtype,
+            json_object=p.json_object,
+        )
+        if spec is None:
+            return
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(
+                self.tokenizer.hf, self.vocab_size, self.eos_token_ids, backend=self.backend, fallback=self.fallback,
+            )
+        compiled, backend = self._compiler.compile(spec)
+        seq.matcher = compiled.new_matcher()
+        seq.grammar_backend = backend
+
+    def apply_masks(self, logits: torch.Tensor, rows: list[tuple[Sequence, int, list[int]]], step_id: int) -> list[int]:
+        """Mask logits in place. rows: (sequence, its first row in logits, its drafts); the sequence's
+        rows are first_row .. first_row + len(drafts). Returns per entry how many of its rows have a
+        valid mask (1 + the drafts its grammar accepts; all of them when unconstrained)."""
+        valid = [1 + len(d) for _, _, d in rows]
+        constrained = [i for i, (s, _, _) in enumerate(rows) if s.matcher is not None]
+        if not constrained:
+            return valid
+        from deepinfer.grammar import allocate_token_bitmask, apply_token_bitmask_
+
+        t = time.perf_counter()
+        bitmask = allocate_token_bitmask(logits.shape[0], logits.shape[1])  # row r belongs to logits row r
+        masked: list[int] = []
+        for i in constrained:
+            seq, r0, drafts = rows[i]
+            if not drafts and seq.next_mask is not None and seq.next_mask_step == step_id:
+                bitmask[r0] = seq.next_mask[0]  # filled while this step's forward ran
+                masked.append(r0)
+            else:
+                valid[i] = self._walk_drafts(seq, bitmask, r0, drafts)
+                masked.extend(range(r0, r0 + valid[i]))
+            seq.next_mask = None
+        apply_token_bitmask_(logits, bitmask, rows=masked)
+        self.stats.record_grammar(time.perf_counter() - t, len(masked))
+        return valid
+
+    @staticmethod
+    def _walk_drafts(seq: Sequence, bitmask: torch.Tensor, r0: int, drafts: list[int]) -> int:
+        m = seq.matcher
+        m.fill_bitmask(bitmask, r0)
+        walked = valid = 0
+        for d in drafts:
+            if not m.accept_token(d):
+                break
+            walked += 1
+            if m.is_terminated():  # the draft ends the output: nothing after it is sampled
+                break
+            m.fill_bitmask(bitmask, r0 + walked)
+            valid = walked
+        if walked:
+            m.rollback(walked)
+        return 1 + valid
+
+    def forced_drafts(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """The grammar's forced continuation from seq's state, tokenised canonically (each token
+        checked against the forced bytes and the mask; grammar/jump_forward.py), as draft tokens:
+        the model verifies them like any draft, so what it writes never depends on them. The
+        matcher is left where it was."""
+        from deepinfer.grammar import jump_forward
+
+        if max_tokens < 1 or seq.matcher.is_terminated():
+            return []
+        t = time.perf_counter()
+        jf = jump_forward(seq.matcher, self.tokenizer.hf, self.token_bytes)
+        if jf.token_ids:
+            seq.matcher.rollback(len(jf.token_ids))
+        self.stats.grammar_time += time.perf_counter() - t
+        return jf.token_ids[:max_tokens]
+
+    def prefill_mask(self, seq: Sequence) -> None:
+        """Overlap mode: fill the bitmask for the sample in flight now, while its forward runs."""
+        from deepinfer.grammar import allocate_token_bitmask
+
+        t = time.perf_counter()
+        if seq.next_mask is None:
+            seq.next_mask = allocate_token_bitmask(1, self.vocab_size)
+        seq.matcher.fill_bitmask(seq.next_mask, 0)
+        seq.next_mask_step = seq.placeholders[-1]
+        self.stats.grammar_time += time.perf_counter() - t

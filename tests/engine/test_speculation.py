@@ -1,0 +1,69 @@
+"""Confidence-scheduled verification: the cost model, the learned confidences, the admission rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.engine.drafter import NgramDrafter
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.speculation import PRIOR_ACCEPT, DraftConfidence, ForwardCost, Speculator, choose_lengths
+
+
+def test_forward_cost_interpolates_and_is_monotone():
+    c = ForwardCost([(1, 1.0), (4, 1.6), (8, 1.5), (16, 3.1)])  # 8 measured faster than 4: noise
+    assert c(1) == 1.0 and c(4) == pytest.approx(1.6) and c(8) == pytest.approx(1.6)
+    assert c(2) == pytest.approx(1.2)
+    assert c(12) == pytest.approx(1.6 + 1.5 * 4 / 8)
+    assert c(32) == pytest.approx(3.1 + 1.5 * 16 / 8)  # extrapolated from the last segment
+    with pytest.raises(ValueError):
+        ForwardCost([(1, 1.0)])
+
+
+def test_confidence_learns_conditional_acceptance():
+    conf = DraftConfidence(max_draft=3)
+    assert conf.confidences(("ngram", 2), 3) == [PRIOR_ACCEPT] * 3
+    for _ in range(50):
+        conf.observe(("ngram", 2), verified=3, accepted=1)  # draft 1 always passes, draft 2 never
+    c = conf.confidences(("ngram", 2), 3)
+    assert c[0] > 0.9 and c[1] < 0.1
+    assert c[2] == pytest.approx(PRIOR_ACCEPT)  # never tried: draft 2 always failed before it
+    assert conf.confidences(("ngram", 3), 1) == [PRIOR_ACCEPT]  # keys are separate
+
+
+def test_bandwidth_bound_step_verifies_everything_likely():
+    flat = ForwardCost([(1, 1.0), (64, 1.05)])  # batch-1 CPU decode: more tokens cost ~nothing
+    lengths = choose_lengths([[0.9, 0.8, 0.6, 0.3]], base_tokens=1, base_gain=1.0, cost=flat)
+    assert lengths == [4]
+
+
+def test_compute_bound_step_verifies_only_near_certain_drafts():
+    # a fixed part plus a cost per token: a slot pays only if its survival beats G * b / cost(T) = 0.72
+    linear = ForwardCost([(1, 0.51), (1024, 0.5 + 10.24)])
+    survival = [[0.99, 0.98], [0.6, 0.3]] + [[0.5]] * 126
+    lengths = choose_lengths(survival, base_tokens=128, base_gain=128.0, cost=linear)
+    assert lengths[0] == 2 and lengths[1] == 0 and sum(lengths[2:]) == 0
+    # the same drafts at batch 1 are all worth verifying
+    assert choose_lengths([[0.6, 0.3]], base_tokens=1, base_gain=1.0, cost=linear) == [2]
+
+
+def test_slots_of_a_sequence_are_admitted_in_order():
+    flat = ForwardCost([(1, 1.0), (8, 1.2)])
+    lengths = choose_lengths([[1.0, 1.0, 1.0]], base_tokens=1, base_gain=1.0, cost=flat)
+    assert lengths == [3]
+    assert choose_lengths([], 4, 4.0, flat) == []
+
+
+def _seq(tokens):
+    return Sequence("r", list(tokens), SamplingParams(), arrival=0, rng_seed=0)
+
+
+def test_speculator_sizes_and_learns():
+    spec = Speculator(NgramDrafter(4), ForwardCost([(1, 1.0), (64, 2.26)]), 4)  # 2% of a step per token
+    seq = _seq([5, 6, 7, 8, 9, 5, 6, 7])
+    plan = spec.propose([(seq, 4)], base_tokens=1, base_gain=1.0)
+    assert plan.proposed == 4 and seq.draft_token_ids == [8, 9, 5, 6] and plan.admitted == 4
+    for _ in range(100):
+        spec.observe(seq, 4, 0)  # nothing is ever accepted: confidence collapses
+    plan = spec.propose([(seq, 4)], base_tokens=1, base_gain=1.0)
+    assert plan.proposed == 4 and plan.admitted == 0 and seq.draft_token_ids == []
