@@ -20,7 +20,7 @@ import torch
 from deepinfer.engine.block_allocator import BlockAllocator
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.drafter import NgramDrafter
+from deepinfer.engine.drafter import NgramDrafter, SuffixIndex
 from deepinfer.engine.input_processor import InputProcessor, PromptType
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor
@@ -121,10 +121,12 @@ class Engine:
         k = cfg.num_speculative_tokens
         cost = None
         if cfg.speculative_budget:
-            top = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k), 512))
+            # measured up to 256 tokens (~3 s on the 2-core CPU with the default model); beyond it
+            # the cost is extrapolated, as it grows linearly there
+            top = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k), 256))
             sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} | {top})
             cost = ForwardCost(self.runner.measure_forward_cost(sizes))
-        return Speculator(NgramDrafter(k), cost, k)
+        return Speculator(NgramDrafter(k, index=SuffixIndex()), cost, k)
 
     # ---- submission -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> list[int]:
@@ -274,6 +276,7 @@ class Engine:
         t0 = time.perf_counter()
         candidates, prefill, n_decoding, forced = [], 0, 0, 0
         for seq in self.scheduler.running:
+            seq.draft_token_ids = []  # drafts a budget-limited step did not schedule are stale now
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.placeholders:
                 prefill += seq.num_tokens - seq.num_computed_tokens
                 continue
@@ -318,6 +321,8 @@ class Engine:
         for seq in progressed:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
+                if self.speculator is not None:
+                    self.speculator.finished(seq)
         return outputs
 
     def _release_finished(self) -> None:

@@ -165,7 +165,7 @@ class ModelRunner:
         bs = self.block_size
         self.kv_cache[:, :, dst_block * bs : dst_block * bs + n] = self.kv_cache[:, :, src_block * bs : src_block * bs + n]
 
-    def measure_forward_cost(self, sizes: list[int], repeats: int = 2) -> list[tuple[int, float]]:
+    def measure_forward_cost(self, sizes: list[int], repeats: int = 1) -> list[tuple[int, float]]:
         """(T, seconds) of a decode-shaped forward pass over T query tokens with logits for every row,
         best of `repeats`: the cost model of speculative verification. Call before any request runs:
         the scratch tokens write their KV into the first blocks, which are free then."""
@@ -179,9 +179,8 @@ class ModelRunner:
         for T in sizes:
             batch = ForwardBatch.build([[0]] * T, [1] * T, [table] * T, list(range(T)), bs)
             prepared = self.prepare(batch)
-            self.forward(prepared)  # warm-up (first-use costs of this shape)
             best = float("inf")
-            for _ in range(repeats):
+            for _ in range(1 + repeats):  # the first run includes first-use costs of this shape
                 t0 = time.perf_counter()
                 self.forward(prepared)
                 if self.device.type == "cuda":

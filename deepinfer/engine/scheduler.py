@@ -22,11 +22,6 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (incl. drafts)
 
-    @property
-    def completes(self) -> bool:
-        """After this step every token of the sequence has KV, so its next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens >= self.seq.num_tokens
-
 
 @dataclass
 class SchedulerOutput:

@@ -115,9 +115,9 @@ class Speculator:
         acceptance is learned under) for the next step."""
         drafted: list[tuple[Sequence, list[int], tuple]] = []
         for seq, room in seqs:
-            tokens, n = self.drafter.propose(seq.all_token_ids, room)
+            tokens, key = self.drafter.propose_keyed(seq.all_token_ids, room)
             if tokens:
-                drafted.append((seq, tokens, ("ngram", min(n, 4))))
+                drafted.append((seq, tokens, key))
         plan = VerifyPlan(proposed=sum(len(t) for _, t, _ in drafted))
         if not drafted:
             return plan
@@ -143,3 +143,8 @@ class Speculator:
     def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
         if seq.draft_key is not None:
             self.confidence.observe(seq.draft_key, verified, accepted)
+
+    def finished(self, seq: Sequence) -> None:
+        """A finished request's output joins the suffix index other requests draft from."""
+        if self.drafter.index is not None and seq.finish_reason in ("stop", "length"):
+            self.drafter.index.add(seq.output_token_ids)

@@ -96,3 +96,17 @@ def test_kill_9_then_resume_writes_every_record_once(tmp_path):
     assert sorted(ids) == sorted(f"k{i}" for i in range(n)) and len(ids) == n
     assert out.read_text().startswith(first)  # earlier results untouched
     assert "rec/s" in r.stderr and "tok/s" in r.stderr  # plain log lines when not a terminal
+
+
+def test_speculative_run_writes_the_same_records(tmp_path):
+    write_records(tmp_path / "in.jsonl", 4)
+    outs = []
+    for name, extra in (("plain", ()), ("spec", ("--speculative", "ngram"))):
+        r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"{name}.jsonl"),
+                "--ordered", "--temperature", "0", "--max-tokens", "12", "--kv-cache-memory", "128", *extra)
+        assert r.returncode == 0, r.stderr
+        outs.append(results(tmp_path / f"{name}.jsonl"))
+    assert outs[0] == outs[1] and len(outs[0]) == 4
+    r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "x.jsonl"),
+            "--speculative", "eagle")
+    assert r.returncode == 2 and "--speculative" in r.stderr

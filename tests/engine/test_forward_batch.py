@@ -113,3 +113,23 @@ def test_ngram_drafter_proposes_the_continuation_of_the_latest_match():
     assert NgramDrafter(2, min_n=2).propose([7, 8, 7], 4) == ([], 0)
     with pytest.raises(ValueError):
         NgramDrafter(0)
+
+
+def test_suffix_index_drafts_from_other_outputs():
+    from deepinfer.engine.drafter import SuffixIndex
+
+    idx = SuffixIndex(min_n=2, max_n=3, max_entries=100)
+    idx.add([10, 11, 12, 13, 14, 15])
+    assert idx.lookup([1, 11, 12], 3) == ([13, 14, 15], 2)
+    assert idx.lookup([10, 11, 12], 2) == ([13, 14], 3)
+    assert idx.lookup([12, 99], 3) == ([], 0)
+    idx.add([20, 11, 12, 40])  # newer occurrence wins
+    assert idx.lookup([5, 11, 12], 2) == ([40], 2)
+    d = NgramDrafter(4, index=idx)
+    # the sequence's own 1-gram match loses to the index's 2-gram match
+    assert d.propose_keyed([7, 12, 8, 11, 12], 4) == ([40], ("suffix", 2))
+    # an own match of 2+ tokens is preferred
+    assert d.propose_keyed([11, 12, 9, 11, 12], 4) == ([9, 11, 12], ("ngram", 2))
+    small = SuffixIndex(min_n=2, max_n=2, max_entries=3)
+    small.add(list(range(10)))
+    assert len(small._at) == 3 and small.lookup([7, 8], 1) == ([9], 2) and small.lookup([0, 1], 1) == ([], 0)
