@@ -603,12 +603,13 @@ class Engine:
 
         p = seq.params
         room = min(p.max_tokens - n_out, self.max_model_len - len(seq.prompt_token_ids) - n_out) - 1
-        forced = seq.matcher.find_jump_forward_string()
+        # bounded by the room: a grammar can force an endless string (room + 1 tells "too long")
+        forced = seq.matcher.find_jump_forward_string(max(room + 1, 0))
         # each token is at least one byte: only jump when the whole string surely fits
         if not forced or len(forced.encode("utf-8")) > room:
             return
         self._drop_placeholders(seq)  # a sample in flight for this seq came before the forced text
-        jf = jump_forward(seq.matcher, self.tokenizer.hf, self._grammar.token_bytes)
+        jf = jump_forward(seq.matcher, self.tokenizer.hf, self._grammar.token_bytes, max_bytes=room)
         for tok in jf.token_ids:
             seq.output_token_ids.append(tok)
             if seq.logprobs is not None:
