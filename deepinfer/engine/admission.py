@@ -6,6 +6,7 @@ typed error, never a batch-wide failure.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, TypeVar
 
 from deepinfer.engine.outputs import RequestOutput
@@ -34,10 +35,10 @@ def prompt_list(prompts: Any) -> list[Any]:
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
-    try:  # any other iterable of prompts (a generator, ...); a lone non-prompt is one bad prompt
-        return list(prompts)
-    except TypeError:
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
+        # one (invalid) prompt: iterating would turn a dict into its keys and bytes into ints
         return [prompts]
+    return list(prompts)  # a generator or other iterable of prompts
 
 
 def error_output(prompt: Any, err: BaseException) -> RequestOutput:

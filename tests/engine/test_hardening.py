@@ -85,6 +85,9 @@ def test_untyped_failure_in_admission_becomes_a_typed_error(eng, monkeypatch):
         ([5, 6, 7], ["length"]),  # all ints: one token-id prompt
         ([{"role": "user", "content": "hi"}], ["length"]),  # all dicts: one conversation
         ("hello world", ["length"]),
+        ({"role": "user", "content": "hi"}, ["error"]),  # a bare dict is one bad prompt, not its keys
+        (b"hello", ["error"]),  # bytes are one bad prompt, not a batch of ints
+        ((p for p in ["hello world", 7]), ["length", "error"]),  # any other iterable is a batch
     ],
 )
 def test_mixed_batches_are_read_per_element(eng, prompts, kinds):
