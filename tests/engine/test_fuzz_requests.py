@@ -80,7 +80,7 @@ def _params(draw_fields: dict, constraint: dict):
         return None, e
 
 
-@settings(max_examples=70, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(fields=st.fixed_dictionaries({}, optional=FIELDS), constraint=CONSTRAINTS, prompt=PROMPTS)
 def test_fuzzed_requests_get_typed_errors_and_never_hurt_a_neighbour(fuzz_engine, fields, constraint, prompt):
