@@ -7,6 +7,9 @@ value once, where torch must gather them into a copy first.
 
 The library is built with ``-O3 -march=native -fopenmp`` into a cache directory keyed by the source,
 the compiler and the CPU, and written atomically (parallel test workers may race to build it).
+Only a verified library is loaded: the directory must be this user's and private (0700), and the
+file must be this user's, writable by no one else, with the SHA-256 recorded when it was built;
+anything else is rebuilt (see ``_trusted_dir`` and ``_verified``).
 ``-fopenmp`` links ``libgomp.so.1``: the dynamic loader resolves it to the copy torch has already
 loaded, so these loops share torch's OpenMP thread pool and thread count.
 If no compiler is found or the build fails, ``load()`` returns None and callers use torch.
@@ -19,6 +22,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -53,24 +57,78 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
+_private_fallback: Path | None = None
+
+
+def _trusted_dir() -> Path:
+    """The cache directory, if only this user can write it (created 0700; tightened to 0700 when it
+    is ours but looser). Otherwise a fresh private temporary directory, with a warning: whoever can
+    write the cache directory could plant a library there that this process would load."""
+    global _private_fallback
+    d = _cache_dir()
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(d)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            if st.st_mode & 0o077:
+                os.chmod(d, 0o700)
+            return d
+        reason = "is not a directory owned by this user"
+    except OSError as e:
+        reason = f"cannot be used ({e})"
+    if _private_fallback is None:
+        _private_fallback = Path(tempfile.mkdtemp(prefix="deepinfer-native-"))  # 0700, ours
+        warnings.warn(f"deepinfer_kernels.native: cache directory {d} {reason}; building into "
+                      f"{_private_fallback} instead", stacklevel=3)
+    return _private_fallback
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verified(lib: Path) -> bool:
+    """The library is ours, writable by no one else, and has the hash recorded when it was built."""
+    try:
+        st = os.lstat(lib)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return False
+        recorded = lib.with_suffix(".sha256").read_text().strip()
+    except OSError:
+        return False
+    return recorded == _sha256(lib)
+
+
 def _build(cc: str) -> Path:
     src = b"".join(p.name.encode() + p.read_bytes() for p in _SRCS + _HEADERS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(src + repr((version, _FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"deepinfer_native-{key}.so"
-    if out.exists():
+    out = _trusted_dir() / f"deepinfer_native-{key}.so"
+    if _verified(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:2000]}")
-        os.replace(tmp, out)  # atomic: a concurrent builder's result is identical
+        os.chmod(tmp, 0o700)
+        digest = _sha256(Path(tmp))
+        # hash first, then the library, both atomically: a concurrent builder writes identical files
+        fd, tmp_hash = tempfile.mkstemp(suffix=".sha256", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp_hash, out.with_suffix(".sha256"))
+        os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if not _verified(out):  # replaced between our write and now: refuse rather than load it
+        raise RuntimeError(f"{out} does not match the hash recorded when it was built")
     return out
 
 

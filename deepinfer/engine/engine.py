@@ -17,6 +17,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from deepinfer.engine.admission import error_output, prompt_list, typed_admission_errors
 from deepinfer.engine.block_allocator import BlockAllocator
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_manager import KVCacheManager
@@ -34,7 +35,7 @@ from deepinfer.engine.speculation import ForwardCost, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step, plan_step
 from deepinfer.engine.structured_output import StructuredOutputs
-from deepinfer.errors import DeepInferError, InvalidRequestError, PromptTooLongError
+from deepinfer.errors import InvalidRequestError, PromptTooLongError
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
 MAX_FORCED_DRAFT = 32  # most forced tokens verified in one step (a forced string can be a long JSON key)
@@ -133,6 +134,7 @@ class Engine:
         """Token ids of a prompt given as text, token ids, or chat messages (rendered by the chat template)."""
         return self.inputs.encode_prompt(prompt)
 
+    @typed_admission_errors  # whatever fails in admission is this request's typed error
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
@@ -399,11 +401,7 @@ class Engine:
         A prompt that fails validation does not fail the batch: its output has finish_reason='error'
         and `error` names the problem, and the other prompts run normally.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and (isinstance(prompts[0], int) or isinstance(prompts[0], dict))
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)  # one prompt or a batch, judged per element
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -418,12 +416,8 @@ class Engine:
             try:
                 rid = self.add_request(prompt, params)
                 order.append(rid)
-            except DeepInferError as e:
-                pids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else []
-                order.append(
-                    RequestOutput(request_id="invalid", prompt_token_ids=list(pids), finished=True,
-                                  finish_reason="error", error=f"{type(e).__name__}: {e}")
-                )
+            except Exception as e:  # add_request raises typed errors; never fail the batch for one
+                order.append(error_output(prompt, e))
         pending = {o for o in order if isinstance(o, str)}
         bar = None
         if use_tqdm:

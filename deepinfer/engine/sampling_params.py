@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,19 +46,61 @@ class SamplingParams:
     json_object: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check()
 
+    def _check_types(self) -> None:
+        """Types first, strictly: a str where a number belongs, or True as max_tokens, is a
+        caller's mistake to report, not a value to coerce. Numbers are normalised to int/float."""
+
+        def bad(name: str, want: str, v: Any) -> InvalidRequestError:
+            return InvalidRequestError(f"SamplingParams: {name} must be {want}, got {v!r} ({type(v).__name__})")
+
+        def is_int(v: Any) -> bool:  # bool is an int subclass in Python, never a count here
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL:
+                continue
+            if not is_int(v):
+                raise bad(name, "an int" + (" or None" if name in _OPTIONAL else ""), v)
+            setattr(self, name, int(v))
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+                raise bad(name, "a finite number", v)
+            setattr(self, name, float(v))
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise bad(name, "True or False", v)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise bad(name, "a string or None", v)
+        # stop: a string or a list of strings; a dict or set would silently become its keys
+        if self.stop is not None and not isinstance(self.stop, str):
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+                raise bad("stop", "a string or a list of strings", self.stop)
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) for t in self.stop_token_ids):
+                raise bad("stop_token_ids", "a list of ints", self.stop_token_ids)
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.choices is not None and not isinstance(self.choices, (list, tuple)):
+            raise bad("choices", "a list of strings", self.choices)
+
     def _check(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"SamplingParams: {msg}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+        if self.max_tokens < 0:
             raise bad(f"max_tokens must be an int >= 0, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             raise bad(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
@@ -64,7 +108,7 @@ class SamplingParams:
             raise bad(f"temperature must be >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -74,17 +118,15 @@ class SamplingParams:
             raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an int or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if any(s == "" for s in self.stop):
             raise bad(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
+            if v is not None and not 0 <= v <= 20:
                 raise bad(f"{name} must be None or an int in [0, 20], got {v!r}")
-        if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 0:
+        if self.prompt_logprobs_start < 0:
             raise bad(f"prompt_logprobs_start must be an int >= 0, got {self.prompt_logprobs_start!r}")
         if self.choices is not None:
             if not isinstance(self.choices, (list, tuple)) or not self.choices or not all(
@@ -108,3 +150,9 @@ class SamplingParams:
         return any(
             x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices, self.dtype)
         ) or self.json_object
+
+
+_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
+_OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "json_object")

@@ -101,12 +101,14 @@ class StructuredOutputs:
         checked against the forced bytes and the mask; grammar/jump_forward.py), as draft tokens:
         the model verifies them like any draft, so what it writes never depends on them. The
         matcher is left where it was."""
-        from deepinfer.grammar import jump_forward
+        from deepinfer.grammar.jump_forward import MAX_JUMP_FORWARD_BYTES, jump_forward
 
         if max_tokens < 1 or seq.matcher.is_terminated():
             return []
         t = time.perf_counter()
-        jf = jump_forward(seq.matcher, self.tokenizer.hf, self.token_bytes)
+        # bounded: a grammar can force an endless string; a token rarely spans more than 16 bytes
+        jf = jump_forward(seq.matcher, self.tokenizer.hf, self.token_bytes,
+                          max_bytes=min(MAX_JUMP_FORWARD_BYTES, 16 * max_tokens), truncate=True)
         if jf.token_ids:
             seq.matcher.rollback(len(jf.token_ids))
         self.stats.grammar_time += time.perf_counter() - t

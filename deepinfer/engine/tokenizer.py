@@ -174,6 +174,12 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise InvalidRequestError(f"encode expects a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: the Rust tokenizer would raise a bare TypeError
+            raise InvalidRequestError(
+                f"text is not valid Unicode: {text[e.start:e.end]!r} at index {e.start} cannot be encoded as UTF-8"
+            ) from e
         ids = self.hf.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos:
             ids.insert(0, self.bos_token_id)

@@ -15,6 +15,10 @@ import torch
 
 from deepinfer.grammar.spec import GrammarSpec
 
+# Longest forced continuation a matcher reports by default. A grammar can force an endless string
+# (`a ::= "x" a`), so every backend bounds the search; the engine passes the request's room instead.
+MAX_JUMP_FORWARD_BYTES = 256
+
 
 class GrammarMatcher(ABC):
     """Per-request matching state over one CompiledGrammar."""
@@ -39,8 +43,9 @@ class GrammarMatcher(ABC):
         """True when the text so far is a complete match (a stop token would be accepted)."""
 
     @abstractmethod
-    def find_jump_forward_string(self) -> str:
-        """The longest string every valid continuation starts with ("" when none is forced)."""
+    def find_jump_forward_string(self, max_bytes: int = MAX_JUMP_FORWARD_BYTES) -> str:
+        """The longest string every valid continuation starts with ("" when none is forced),
+        cut at max_bytes bytes; never unbounded, whatever the grammar."""
 
     def rollback(self, n: int) -> None:
         """Undo the last n accepted tokens."""

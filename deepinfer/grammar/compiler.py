@@ -16,6 +16,7 @@ import tokenizers
 
 from deepinfer.errors import GrammarError
 from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
+from deepinfer.grammar.emptiness import first_step_is_dead, regex_is_empty
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
@@ -155,6 +156,8 @@ class GrammarCompiler:
         return pending.result
 
     def _compile_uncached(self, spec: GrammarSpec) -> tuple[CompiledGrammar, str]:
+        if spec.kind == "regex" and regex_is_empty(spec.text):
+            raise GrammarError(f"regex {spec.text!r} matches no string (e.g. a class like [^\\s\\S])")
         errors: list[str] = []
         order = self._order()
         for i, name in enumerate(order):
@@ -169,6 +172,9 @@ class GrammarCompiler:
             except Exception as e:  # a backend bug must not hide behind another backend silently
                 errors.append(f"{name}: unexpected {type(e).__name__}: {e}")
                 continue
+            if first_step_is_dead(compiled.new_matcher(), self.vocab_size):
+                # the language is empty whatever the backend: refuse now, not at the first token
+                raise GrammarError(f"this {spec.kind} matches no string: no token can start it")
             with self._lock:
                 self.stats[f"served_{name}"] += 1
                 if i > 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.grammar.backend import GrammarMatcher
+from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, GrammarMatcher
 from deepinfer.grammar.bitmask import allocate_token_bitmask
 
 
@@ -33,14 +33,23 @@ def jump_forward(
     tokenizer,
     token_bytes: list[bytes | None],
     hold_last: bool = False,
+    max_bytes: int = MAX_JUMP_FORWARD_BYTES,
+    truncate: bool = False,
 ) -> JumpForward:
     """Feed the matcher's forced continuation into it and return what was appended.
 
     tokenizer: a tokenizers.Tokenizer (encodes the forced string); token_bytes: bytes per token
     id (GrammarCompiler.token_bytes). See the module docstring for the boundary rule.
+    max_bytes: a forced string longer than this is not jumped at all (every token is at least one
+    byte, so max_bytes = the tokens a request has left keeps the jump within its budget), or with
+    truncate=True only its first max_bytes bytes are (for drafts, which are verified anyway).
     """
-    forced = matcher.find_jump_forward_string()
-    if not forced or matcher.is_terminated():
+    if max_bytes <= 0:
+        return JumpForward("", [], "")
+    forced = matcher.find_jump_forward_string(max_bytes + 1)  # one more byte tells "longer" apart
+    if forced and truncate and len(forced.encode("utf-8")) > max_bytes:
+        forced = forced.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
+    if not forced or matcher.is_terminated() or len(forced.encode("utf-8")) > max_bytes:
         return JumpForward("", [], forced)
     target = forced.encode("utf-8")
     ids = tokenizer.encode(forced, add_special_tokens=False).ids

@@ -21,13 +21,12 @@ import outlines_core as oc
 import torch
 
 from deepinfer.errors import GrammarError
-from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, CompiledGrammar, GrammarBackend, GrammarMatcher
 from deepinfer.grammar.spec import GrammarSpec
 from deepinfer.grammar.vocab import TokenizerVocab
 
 _MARKER_CANDIDATES = ("\U0010fffd", "\U0010fffc", "\U0010fffb", "\U000ffffd")
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
-MAX_JUMP_FORWARD_BYTES = 256
 # outlines builds a DFA over bytes: a bounded repetition {m,n} copies its body n times, so a
 # schema's maxLength 5000 takes minutes and GBs. Refuse large bounds instead (xgrammar's
 # pushdown automaton has no such cost). Other blowups remain possible (e.g. Unicode classes
@@ -109,13 +108,13 @@ class OutlinesMatcher(GrammarMatcher):
         if self.can_terminate():
             _set_bits(out, cg.stop_tensor)
 
-    def find_jump_forward_string(self) -> str:
+    def find_jump_forward_string(self, max_bytes: int = MAX_JUMP_FORWARD_BYTES) -> str:
         """Follow states while exactly one next byte is possible (and R cannot end there)."""
         cg = self._cg
         state, out = self._state, bytearray()
         if self._terminated:
             return ""
-        while len(out) < MAX_JUMP_FORWARD_BYTES:
+        while len(out) < max_bytes:
             if cg.ends_here(state):
                 break
             firsts = {cg.token_bytes[t][0] for t in cg.index.get_allowed_tokens(state) if t < cg.vocab_size}

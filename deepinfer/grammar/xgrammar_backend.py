@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
 from deepinfer.errors import GrammarError
-from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, CompiledGrammar, GrammarBackend, GrammarMatcher
+from deepinfer.grammar.bitmask import allocate_token_bitmask
 from deepinfer.grammar.spec import GrammarSpec
 from deepinfer.grammar.vocab import VOCAB_BYTE_FALLBACK, VOCAB_BYTE_LEVEL, TokenizerVocab
 
@@ -59,13 +61,48 @@ def drop_false_properties(schema):
     return out
 
 
+def first_byte_table(token_bytes: list[bytes | None]) -> np.ndarray:
+    """First byte of each token id (-1: special or empty), for the forced-byte probe."""
+    return np.array([b[0] if b else -1 for b in token_bytes], dtype=np.int16)
+
+
+def _next_bytes_forced(bitmask: torch.Tensor, first_byte: np.ndarray) -> int | None:
+    """The one byte every allowed token starts with, or None when zero or several bytes can follow.
+    numpy, and only the non-zero words: torch's bit unpacking took ~40 ms per call on a 49k vocab."""
+    words = bitmask[0].numpy()
+    nz = np.flatnonzero(words)
+    # bit i of word w is token 32 w + i (a little-endian view of the int32 words as bytes)
+    bits = np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(len(nz), 32).astype(bool)
+    ids = (nz[:, None] * 32 + np.arange(32))[bits]
+    fb = first_byte[ids[ids < len(first_byte)]]
+    fb = fb[fb >= 0]
+    if fb.size == 0:
+        return None
+    lo, hi = int(fb.min()), int(fb.max())
+    return lo if lo == hi else None
+
+
+def _complete_utf8(out: bytes) -> str:
+    """The forced bytes as text: nothing when they start inside a character, and an unfinished
+    last character dropped (its bytes become forced again once the model writes them)."""
+    if out and 0x80 <= out[0] < 0xC0:
+        return ""
+    for cut in range(4):
+        try:
+            return out[: len(out) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""
+
+
 class XGrammarMatcher(GrammarMatcher):
     """Thin wrapper over xgrammar.GrammarMatcher."""
 
     supports_rollback = True
 
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar, first_byte: np.ndarray | None = None):
         self._m = xgr.GrammarMatcher(compiled)
+        self._first_byte = first_byte
 
     def accept_token(self, token_id: int) -> bool:
         return bool(self._m.accept_token(int(token_id)))
@@ -79,8 +116,31 @@ class XGrammarMatcher(GrammarMatcher):
     def can_terminate(self) -> bool:
         return bool(self._m.is_completed())
 
-    def find_jump_forward_string(self) -> str:
-        return self._m.find_jump_forward_string()
+    def find_jump_forward_string(self, max_bytes: int = MAX_JUMP_FORWARD_BYTES) -> str:
+        """Bounded: xgrammar's own find_jump_forward_string builds the whole forced string first,
+        and a grammar such as `a ::= "x" a` forces an endless one (std::bad_alloc after GBs).
+        So the forced bytes are probed one at a time on a fork of the matcher, at most max_bytes."""
+        if self._first_byte is None:  # no vocabulary table: nothing can be proved forced
+            return ""
+        try:
+            return self._probe_forced(max_bytes)
+        except (RuntimeError, ValueError, MemoryError):  # "nothing forced" is always a safe answer
+            return ""
+
+    def _probe_forced(self, max_bytes: int) -> str:
+        cur, out = self._m, bytearray()
+        mask = allocate_token_bitmask(1, len(self._first_byte))
+        while len(out) < max_bytes and not cur.is_terminated() and not cur.is_completed():
+            cur.fill_next_token_bitmask(mask, 0)
+            b = _next_bytes_forced(mask, self._first_byte)
+            if b is None:
+                break
+            if cur is self._m:
+                cur = self._m.fork()  # the probe must not move the request's own matcher
+            if not cur.accept_string(bytes([b])):
+                break
+            out.append(b)
+        return _complete_utf8(bytes(out))
 
     def rollback(self, n: int) -> None:
         self._m.rollback(int(n))
@@ -92,12 +152,13 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammarCompiled(CompiledGrammar):
     backend_name = "xgrammar"
 
-    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar):
+    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar, first_byte: np.ndarray | None = None):
         self.spec = spec
         self.compiled = compiled
+        self.first_byte = first_byte
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.compiled)
+        return XGrammarMatcher(self.compiled, self.first_byte)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -112,6 +173,7 @@ class XGrammarBackend(GrammarBackend):
         the declared fields; its outputs always validate, but instances with undeclared extra
         properties are rejected. json_object mode is never strict (it means any object)."""
         self.strict_json = strict_json
+        self.first_byte = first_byte_table(vocab.token_bytes)
         info = xgr.TokenizerInfo(
             vocab.encoded,
             _VOCAB_TYPES.get(vocab.vocab_type, xgr.VocabType.RAW),
@@ -141,7 +203,7 @@ class XGrammarBackend(GrammarBackend):
             # drop xgrammar's "[time] file.cc:line: " prefix, keep the parser's message
             msg = msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
             raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (xgrammar): {msg}") from e
-        return XGrammarCompiled(spec, cg)
+        return XGrammarCompiled(spec, cg, self.first_byte)
 
     def _compile_schema(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         text = spec.text

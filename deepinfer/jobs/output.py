@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from deepinfer.jobs.errors import JobUsageError
-from deepinfer.jobs.records import id_key
+from deepinfer.jobs.records import record_key
 
 
 def to_jsonable(value: Any) -> Any:
@@ -31,7 +31,7 @@ def to_jsonable(value: Any) -> Any:
 
 
 def recover(path: str) -> tuple[set[str], int]:
-    """Ids (as id_key) of the records in an existing results file, after truncating a half line.
+    """Keys (record_key) of the records in an existing results file, after truncating a half line.
 
     Returns (ids, bytes_truncated). A last line without its newline is cut off (it was being
     written when the job died); complete lines that do not parse are an error.
@@ -47,7 +47,7 @@ def recover(path: str) -> tuple[set[str], int]:
             if raw.strip():
                 try:
                     obj = json.loads(raw)
-                    ids.add(id_key(obj["id"]))
+                    ids.add(record_key(obj["id"], obj.get("line"), bool(obj.get("implicit_id"))))
                 except (ValueError, KeyError, TypeError) as e:
                     raise JobUsageError(f"{path!r} line {n} is not a result record ({e}); cannot resume from it")
             good_end += len(raw)

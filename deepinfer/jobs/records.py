@@ -1,8 +1,11 @@
 """Stream input records (JSON lines) into program arguments, one line at a time.
 
-A record's id is its `id` field when it has one, else its 1-based line number. A line that is
-not a JSON object, or lacks a program argument, becomes a Record with `error` set (the job
-writes an error record for it and goes on).
+A record's id is its `id` field when it has one, else its 1-based line number (an *implicit*
+id). Implicit ids live in a namespace of their own (`record_key`), so a line without an id can
+never be mistaken on --resume for a record whose explicit id equals its line number; explicit ids
+must be unique (`check_unique_ids` refuses an input that repeats one). A line that is not a JSON
+object, or lacks a program argument, becomes a Record with `error` set (the job writes an error
+record for it and goes on).
 """
 
 from __future__ import annotations
@@ -24,11 +27,29 @@ class Record:
     id: Any
     kwargs: dict[str, Any] | None
     error: str | None = None
+    implicit_id: bool = False  # id is the line number (the line has no `id` field)
+
+    @property
+    def key(self) -> str:
+        return record_key(self.id, self.line, self.implicit_id)
 
 
 def id_key(record_id: Any) -> str:
     """A hashable, type-exact key for an id (1 and "1" are different ids)."""
     return json.dumps(record_id, sort_keys=True, ensure_ascii=False)
+
+
+def record_key(record_id: Any, line: int, implicit: bool) -> str:
+    """What --resume matches records by: an explicit id's id_key, or for an implicit id "line:N",
+    which no id_key (a JSON text) can equal."""
+    return f"line:{line}" if implicit else id_key(record_id)
+
+
+def _id_of(obj: Any, line_no: int) -> tuple[Any, bool]:
+    """(id, implicit) of a parsed line."""
+    if isinstance(obj, dict) and "id" in obj:
+        return obj["id"], False
+    return line_no, True
 
 
 def parse_map(items: list[str] | None) -> dict[str, str]:
@@ -61,21 +82,22 @@ def to_record(seq: int, line_no: int, raw: str, sig: ProgramSignature, mapping: 
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
-        return Record(seq, line_no, line_no, None, f"line {line_no} is not valid JSON: {e}")
-    rid = obj.get("id", line_no) if isinstance(obj, dict) else line_no
+        return Record(seq, line_no, line_no, None, f"line {line_no} is not valid JSON: {e}", implicit_id=True)
+    rid, implicit = _id_of(obj, line_no)
     if field is not None:
-        return Record(seq, line_no, rid, {field: obj})
+        return Record(seq, line_no, rid, {field: obj}, implicit_id=implicit)
     if not isinstance(obj, dict):
         return Record(seq, line_no, rid, None,
-                      f"line {line_no} is a JSON {type(obj).__name__}, not an object of program arguments")
+                      f"line {line_no} is a JSON {type(obj).__name__}, not an object of program arguments",
+                      implicit_id=implicit)
     fields = {mapping.get(k, k): v for k, v in obj.items()}
     missing = [n for n in sig.required if n not in fields]
     if missing:
         return Record(seq, line_no, rid, None,
                       f"record lacks program argument(s) {', '.join(map(repr, missing))} "
-                      f"(its fields: {', '.join(sorted(obj)) or 'none'})")
+                      f"(its fields: {', '.join(sorted(obj)) or 'none'})", implicit_id=implicit)
     kwargs = fields if sig.var_keyword else {k: v for k, v in fields.items() if k in sig.names}
-    return Record(seq, line_no, rid, kwargs)
+    return Record(seq, line_no, rid, kwargs, implicit_id=implicit)
 
 
 def iter_records(path: str, sig: ProgramSignature, mapping: dict[str, str] | None = None,
@@ -103,3 +125,32 @@ def count_records(path: str, limit: int | None = None) -> int:
                 if limit is not None and n >= limit:
                     break
     return n
+
+
+def check_unique_ids(path: str, limit: int | None = None) -> None:
+    """Refuse (JobUsageError) an input in which two records share an explicit id: results are
+    matched to records by id, so --resume would skip the second as done. Streams the file once,
+    holding only the keys of the ids seen."""
+    seen: dict[str, int] = {}
+    n = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if limit is not None and n >= limit:
+                return
+            if not raw.strip():
+                continue
+            n += 1
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError:
+                continue  # an error record with an implicit id: it cannot collide
+            rid, implicit = _id_of(obj, line_no)
+            if implicit:
+                continue
+            key = id_key(rid)
+            first = seen.setdefault(key, line_no)
+            if first != line_no:
+                raise JobUsageError(
+                    f"{path}: id {rid!r} appears on lines {first} and {line_no}; record ids must be unique "
+                    "(results and --resume match records by id)"
+                )

@@ -19,7 +19,7 @@ from deepinfer.jobs.errors import JobUsageError
 from deepinfer.jobs.output import ResultWriter, recover, to_jsonable
 from deepinfer.jobs.program import program_signature
 from deepinfer.jobs.progress import Progress
-from deepinfer.jobs.records import Record, check_mapping, count_records, id_key, iter_records
+from deepinfer.jobs.records import Record, check_mapping, check_unique_ids, count_records, id_key, iter_records
 from deepinfer.lang.function import Function
 
 
@@ -78,17 +78,36 @@ def validate_options(program: Function, opts: JobOptions) -> None:
         raise JobUsageError(
             f"output file {opts.output!r} already has results; pass --resume to continue it, or remove it"
         )
+    _check_output_writable(opts.output)
     if not isinstance(opts.batch_size, int) or opts.batch_size < 1:
         raise JobUsageError(f"--batch-size must be an int >= 1, got {opts.batch_size!r}")
     if opts.limit is not None and opts.limit < 0:
         raise JobUsageError(f"--limit must be >= 0, got {opts.limit}")
     check_mapping(program_signature(program), opts.mapping, opts.field)
+    check_unique_ids(opts.input, opts.limit)
     from deepinfer.engine.sampling_params import SamplingParams
 
     try:
         SamplingParams(**opts.sampling)
     except Exception as e:
         raise JobUsageError(str(e)) from e
+
+
+def _check_output_writable(path: str) -> None:
+    """Open the output for appending now, so a path that cannot be written (a missing directory, a
+    file used as a directory, /proc) is a usage error before the model loads, not a traceback
+    after. A file this check creates is removed again."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise JobUsageError(f"cannot write the output file {path!r}: {e.strerror or e}") from e
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _tokens(state: Any) -> int:
@@ -107,6 +126,8 @@ def _tokens(state: Any) -> int:
 
 def _result(rec: Record, state: Any = None, error: BaseException | str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rec.id, "line": rec.line}
+    if rec.implicit_id:
+        out["implicit_id"] = True  # its id is the line number: --resume matches it by line
     if state is not None and error is None:
         error = state.error()
     out["ok"] = error is None
@@ -172,7 +193,7 @@ def run_job(program: Function, opts: JobOptions, engine: Any) -> JobSummary:
 
     try:
         for rec in iter_records(opts.input, sig, opts.mapping, opts.field, opts.limit):
-            if done_ids and id_key(rec.id) in done_ids:
+            if done_ids and rec.key in done_ids:
                 writer.skip(rec.seq)
                 summary.skipped += 1
                 continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -37,6 +37,20 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ModelLoadError(f"corrupt or unreadable safetensors file {path}: {e}") from e
 
 
+def _confined_shard(index: Path, shard: str) -> PurePosixPath:
+    """A shard name from the index as a path inside the model directory, or ModelLoadError.
+
+    Checked lexically: no absolute path, no '..', no backslash or NUL, so an index cannot make
+    the loader open a file outside the directory. Symlinks inside the directory are still followed:
+    the Hugging Face cache links snapshot files to blobs elsewhere, and the directory is trusted.
+    """
+    p = PurePosixPath(shard)
+    if (not shard or "\\" in shard or "\0" in shard or p.is_absolute() or ".." in p.parts
+            or PureWindowsPath(shard).drive):
+        raise ModelLoadError(f"{index}: shard path {shard!r} is not a file inside the model directory")
+    return p
+
+
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of the directory's safetensors checkpoint, converted to fp32."""
     single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
@@ -47,8 +61,11 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index} has no 'weight_map'")
         tensors = {}
+        bad = [v for v in weight_map.values() if not isinstance(v, str)]
+        if bad:
+            raise ModelLoadError(f"{index}: shard names must be strings, got {bad[0]!r}")
         for shard in sorted(set(weight_map.values())):
-            tensors.update(_load_safetensors(model_dir / shard))
+            tensors.update(_load_safetensors(model_dir / _confined_shard(index, shard)))
         absent = sorted(n for n in weight_map if n not in tensors)
         if absent:
             raise ModelLoadError(f"{index} lists tensors its shards lack: {absent[:5]}")
