@@ -32,7 +32,7 @@ class EngineConfig:
     # the planning thread takes a core from the forward (0.80x at batch 64), and on an H200 with a
     # small model the forward itself is CPU-bound launch work that the GIL serialises (see README)
     overlap_schedule: bool = False
-    grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
+    grammar_backend: str = "xgrammar"  # "xgrammar" | "llguidance" | "outlines"
     grammar_fallback: bool = True
     jump_forward: bool = True
     kernels: str = "auto"  # custom kernels: "auto" (per op and device, as measured) | "torch" | "tilelang"
@@ -63,8 +63,8 @@ class EngineConfig:
             raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
         if self.kernels not in ("auto", "torch", "tilelang"):
             raise bad(f"kernels must be 'auto', 'torch' or 'tilelang', got {self.kernels!r}")
-        if self.grammar_backend not in ("xgrammar", "outlines"):
-            raise bad(f"grammar_backend must be 'xgrammar' or 'outlines', got {self.grammar_backend!r}")
+        if self.grammar_backend not in ("xgrammar", "llguidance", "outlines"):
+            raise bad(f"grammar_backend must be 'xgrammar', 'llguidance' or 'outlines', got {self.grammar_backend!r}")
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> "EngineConfig":

@@ -14,12 +14,14 @@ from typing import Callable, Mapping
 
 import tokenizers
 
-from deepinfer.errors import GrammarError
+from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
+from deepinfer.grammar.bitmask import allocate_token_bitmask
+from deepinfer.grammar.exactness import check_spec, diagnostics_keywords, schema_of, table_approximated
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
-BACKEND_NAMES = ("xgrammar", "outlines")
+BACKEND_NAMES = ("xgrammar", "llguidance", "outlines")
 _ALIASES = {"outlines-core": "outlines", "outlines_core": "outlines"}
 BackendFactory = Callable[[TokenizerVocab], GrammarBackend]
 
@@ -35,7 +37,25 @@ def _default_factories(strict_json: bool) -> dict[str, BackendFactory]:
 
         return OutlinesBackend(vocab)
 
-    return {"xgrammar": xgrammar, "outlines": outlines}
+    def llguidance(vocab: TokenizerVocab) -> GrammarBackend:
+        from deepinfer.grammar.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(vocab)
+
+    # order = fallback order: llguidance before outlines (it enforces what it compiles)
+    return {"xgrammar": xgrammar, "llguidance": llguidance, "outlines": outlines}
+
+
+def check_nonempty(compiled: CompiledGrammar, vocab_size: int) -> None:
+    """InvalidSpecError when the grammar allows nothing at all from its start (e.g. the regex
+    `[^\\s\\S]`): a spec with an empty language is invalid whichever backend compiled it."""
+    m = compiled.new_matcher()
+    if m.can_terminate():
+        return
+    mask = allocate_token_bitmask(1, vocab_size)
+    m.fill_bitmask(mask, 0)
+    if not bool(mask.any()):
+        raise InvalidSpecError(f"{compiled.spec.kind} spec admits no output (its language is empty)")
 
 
 class _Pending:
@@ -52,8 +72,9 @@ class GrammarCompiler:
 
     hf_tokenizer: a tokenizers.Tokenizer; vocab_size: the model's logits width (may exceed the
     tokenizer's length; extra ids are never allowed); stop_token_ids: tokens allowed exactly when
-    the grammar can terminate. backend: "xgrammar" (default) or "outlines"; with fallback=True a
-    spec the primary backend rejects is tried on the other, and `compile` reports which served.
+    the grammar can terminate. backend: "xgrammar" (default), "llguidance" or "outlines"; with
+    fallback=True a spec the primary backend rejects or only approximates is tried on the others
+    (in BACKEND_NAMES order), the most exact result is kept, and `compile` reports which served.
     `backends` maps names to factories (TokenizerVocab -> GrammarBackend) to add or replace them.
     strict_json (xgrammar): schemas forbid undeclared properties (see XGrammarBackend).
     """
@@ -155,24 +176,54 @@ class GrammarCompiler:
         return pending.result
 
     def _compile_uncached(self, spec: GrammarSpec) -> tuple[CompiledGrammar, str]:
+        """Compile on the backends in order and keep the most exact result: the first exact
+        grammar wins; an approximated one is kept only while no later backend does better
+        (ties go to the earlier backend). An invalid spec is refused before any backend and a
+        backend's InvalidSpecError ends the search: no weaker backend may serve it."""
+        try:
+            check_spec(spec)
+        except InvalidSpecError:
+            with self._lock:
+                self.stats["failures"] += 1
+                self.stats["invalid_specs"] += 1
+            raise
+        schema = schema_of(spec)
         errors: list[str] = []
-        order = self._order()
-        for i, name in enumerate(order):
+        best: tuple[CompiledGrammar, str, int] | None = None
+        for i, name in enumerate(self._order()):
+            floor = table_approximated(name, schema) if schema is not None else []
+            if best is not None and len(floor) >= len(best[0].approximated):
+                continue  # its table alone says it cannot beat what we have
             try:
                 be = self.get_backend(name)
                 with self._lock:
                     self.stats["compiles"] += 1
                 compiled = be.compile(spec)
+                compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
+                check_nonempty(compiled, self.vocab.vocab_size)
+            except InvalidSpecError:
+                with self._lock:
+                    self.stats["failures"] += 1
+                    self.stats["invalid_specs"] += 1
+                raise
             except GrammarError as e:
                 errors.append(f"{name}: {e}")
                 continue
             except Exception as e:  # a backend bug must not hide behind another backend silently
                 errors.append(f"{name}: unexpected {type(e).__name__}: {e}")
                 continue
+            if best is None or len(compiled.approximated) < len(best[0].approximated):
+                best = (compiled, name, i)
+            if compiled.exact:
+                break
+        if best is not None:
+            compiled, name, i = best
             with self._lock:
                 self.stats[f"served_{name}"] += 1
                 if i > 0:
                     self.stats["fallbacks"] += 1
+                if not compiled.exact:
+                    self.stats["approximated"] += 1
             return compiled, name
         with self._lock:
             self.stats["failures"] += 1
