@@ -217,6 +217,7 @@ class Engine:
         compiled, backend = self._grammar.compile(spec)
         seq.matcher = compiled.new_matcher()
         seq.grammar_backend = backend
+        seq.grammar = compiled
 
     def fork(self, request_id: str, n: int, params: SamplingParams | list[SamplingParams] | None = None) -> list[str]:
         """Start n child requests that continue from a running request's tokens so far.
@@ -634,6 +635,10 @@ class Engine:
         else:
             self.scheduler.remove(seq)
         self.stats.num_finished += 1
+        if seq.grammar is not None:  # validation at finish (deepinfer.grammar.validate)
+            from deepinfer.grammar.validate import check_output
+
+            seq.valid, seq.violation = check_output(seq.grammar, seq.matcher, seq.text, reason, stop_reason)
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished
@@ -660,6 +665,9 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
             grammar_backend=seq.grammar_backend,
+            grammar_approximated=list(seq.grammar.approximated) if seq.grammar is not None else [],
+            valid=seq.valid,
+            violation=seq.violation,
         )
         seq.reported_tokens = n_real
         seq.reported_text = visible

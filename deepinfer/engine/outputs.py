@@ -37,6 +37,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     grammar_backend: str | None = None
+    #: JSON-schema keywords the grammar only approximated (empty when it is exact)
+    grammar_approximated: list[str] = field(default_factory=list)
+    #: a finished JSON-schema output: True / False (see `violation`) / None (not checked)
+    valid: bool | None = None
+    violation: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
