@@ -35,7 +35,8 @@ VALIDATION_KEYWORDS = frozenset({
 })
 
 # Formats each backend's grammar enforces at least as strictly as jsonschema's FormatChecker.
-EXACT_FORMATS = frozenset({"date", "time", "date-time", "email", "ipv4", "ipv6", "uuid"})
+# Not "date"/"date-time" (the grammars accept 2024-02-30) nor the IP formats (leading zeros).
+EXACT_FORMATS = frozenset({"email", "uuid"})
 
 _COMMON_EXACT = frozenset({
     "type", "enum", "const", "properties", "required", "items", "prefixItems", "minItems", "maxItems",
@@ -107,13 +108,26 @@ def keywords_used(schema: Any) -> set[str]:
     return used
 
 
+def _context_approximated(backend: str, schema: Any) -> set[str]:
+    """Keywords a backend approximates only in some contexts it does not warn about."""
+    out: set[str] = set()
+    if backend in ("xgrammar", "outlines"):
+        for s in subschemas(schema):
+            props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+            req = s.get("required")
+            # a required name with no property schema is not enforced (measured on JSONSchemaBench)
+            if isinstance(req, list) and any(isinstance(r, str) and r not in props for r in req):
+                out.add("required")
+    return out
+
+
 def table_approximated(backend: str, schema: Any) -> list[str]:
     """Keywords of schema that the backend's table does not list as exact (sorted)."""
     exact = EXACT_KEYWORDS.get(backend)
     used = keywords_used(schema)
     if exact is None:  # a backend without a table: nothing is known to be exact
         return sorted(used)
-    return sorted(k for k in used if k not in exact)
+    return sorted({k for k in used if k not in exact} | _context_approximated(backend, schema))
 
 
 _DIAGNOSTIC_KEYWORDS = (
