@@ -514,6 +514,9 @@ class Engine:
             else:
                 seq.matcher.fill_bitmask(bitmask, i)
             seq.next_mask = None
+            if seq.params.complete_within_budget:  # narrow the row near max_tokens (grammar/budget.py)
+                left = seq.params.max_tokens - (len(seq.output_token_ids) - len(seq.placeholders))
+                self._grammar.budget_guard().restrict(seq.matcher, bitmask, i, logits[i], left)
         apply_token_bitmask_(logits, bitmask, rows=rows)
         self.stats.record_grammar(time.perf_counter() - t, len(rows))
 

@@ -231,6 +231,16 @@ class GrammarCompiler:
             raise GrammarError(errors[0])
         raise GrammarError(f"no grammar backend can compile this {spec.kind} spec: " + "; ".join(errors))
 
+    def budget_guard(self):
+        """The BudgetGuard (complete_within_budget) for this vocabulary, made once."""
+        guard = getattr(self, "_budget_guard", None)
+        if guard is None:
+            from deepinfer.grammar.budget import BudgetGuard
+
+            guard = self._budget_guard = BudgetGuard(self.vocab.token_bytes, self.vocab.stop_token_ids,
+                                                     self.vocab.vocab_size)
+        return guard
+
     def new_matcher(self, spec: GrammarSpec | object):
         """Shortcut: a fresh matcher for spec (compiled through the cache)."""
         return self.compile(spec)[0].new_matcher()
