@@ -77,6 +77,10 @@ class GrammarCompiler:
     (in BACKEND_NAMES order), the most exact result is kept, and `compile` reports which served.
     `backends` maps names to factories (TokenizerVocab -> GrammarBackend) to add or replace them.
     strict_json (xgrammar): schemas forbid undeclared properties (see XGrammarBackend).
+    compile_timeout: seconds one backend may spend on one spec; past it that backend counts as
+    unable to compile it (the next one is tried), so a pathological schema becomes a GrammarError,
+    not a stall. Its compilation cannot be interrupted: it finishes in a daemon thread and is
+    dropped. compile_async runs compile in a pool of compile_threads threads.
     """
 
     def __init__(
@@ -88,8 +92,15 @@ class GrammarCompiler:
         fallback: bool = True,
         backends: Mapping[str, BackendFactory] | None = None,
         strict_json: bool = True,
+        compile_timeout: float | None = 120.0,
+        compile_threads: int = 2,
     ):
         self._factories = _default_factories(strict_json)
+        if compile_timeout is not None and not compile_timeout > 0:
+            raise GrammarError(f"compile_timeout must be > 0 seconds or None, got {compile_timeout!r}")
+        self.compile_timeout = compile_timeout
+        self._compile_threads = compile_threads
+        self._executor = None  # made on the first compile_async
         self._factories.update(backends or {})
         backend = _ALIASES.get(backend, backend)
         if backend not in self._factories:
@@ -198,7 +209,7 @@ class GrammarCompiler:
                 be = self.get_backend(name)
                 with self._lock:
                     self.stats["compiles"] += 1
-                compiled = be.compile(spec)
+                compiled = self._limited(be, spec)
                 compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
                 check_nonempty(compiled, self.vocab.vocab_size)
             except InvalidSpecError:
@@ -230,6 +241,41 @@ class GrammarCompiler:
         if len(errors) == 1:
             raise GrammarError(errors[0])
         raise GrammarError(f"no grammar backend can compile this {spec.kind} spec: " + "; ".join(errors))
+
+    def _limited(self, be: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
+        """be.compile(spec) within compile_timeout (in a daemon thread: a C++ compile cannot be
+        cancelled, so one that overruns is left to finish and its result dropped)."""
+        if self.compile_timeout is None:
+            return be.compile(spec)
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["result"] = be.compile(spec)
+            except BaseException as e:  # handed to the waiting caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"grammar-compile-{be.name}", daemon=True).start()
+        if not done.wait(self.compile_timeout):
+            with self._lock:
+                self.stats["timeouts"] += 1
+            raise GrammarError(f"compiling took longer than {self.compile_timeout:g}s (limit compile_timeout)")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["result"]  # type: ignore[return-value]
+
+    def compile_async(self, spec: GrammarSpec | object):
+        """A concurrent.futures.Future of compile(spec), run in this compiler's thread pool, so a
+        caller (the engine's step loop) can keep going while distinct specs compile."""
+        with self._lock:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(self._compile_threads, thread_name_prefix="grammar-compile")
+        return self._executor.submit(self.compile, spec)
 
     def budget_guard(self):
         """The BudgetGuard (complete_within_budget) for this vocabulary, made once."""
