@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/grammar_coverage.py [--limit N] [--backend xgrammar|llguidance|outlines]
         [--no-fallback] [--all-backends] [--lenient] [--skip-coverage] [--skip-bitmask]
+        [--empirical N [--empirical-max-tokens M]]
 
 Coverage (per bench file): declared coverage (schemas that compile), valid-instance acceptance
 and invalid-instance rejection, approximated grammars, exact leaks (invalid instances accepted by
@@ -67,6 +68,49 @@ def coverage(args) -> None:
         print(merge("ALL", parts).row(), flush=True)
 
 
+def empirical(args) -> None:
+    """Empirical coverage with the default model: outputs that parse and validate / schemas, with
+    and without complete_within_budget, and outputs reported valid that fail validation (must be 0)."""
+    import json
+    import random
+
+    import jsonschema
+
+    from deepinfer import Engine, SamplingParams
+    from deepinfer.grammar.coverage import BENCH_FILES, load_bench_file
+
+    if not BENCH_DIR.exists():
+        print(f"JSONSchemaBench not found at {BENCH_DIR}; skipping empirical coverage")
+        return
+    recs = []
+    for f in BENCH_FILES:
+        rs = load_bench_file(BENCH_DIR / f)
+        recs += random.Random(0).sample(rs, min(args.empirical, len(rs)))
+    engine = Engine(kv_cache_memory=1 << 30)
+    prompts = [[{"role": "user", "content": "Produce one JSON value that follows this JSON schema:\n"
+                 + json.dumps(r["schema"])[:1500]}] for r in recs]
+    for budget in (False, True):
+        params = [SamplingParams(temperature=0, max_tokens=args.empirical_max_tokens, json_schema=r["schema"],
+                                 complete_within_budget=budget) for r in recs]
+        outs = engine.generate(prompts, params)
+        ok = lied = refused = flagged = 0
+        for o, r in zip(outs, recs):
+            if o.finish_reason == "error":
+                refused += 1
+                continue
+            try:
+                jsonschema.validate(json.loads(o.text), r["schema"], format_checker=jsonschema.FormatChecker())
+                good = True
+            except Exception:
+                good = False
+            ok += good
+            lied += o.valid is True and not good
+            flagged += o.valid is False
+        print(f"empirical (complete_within_budget={budget}, max_tokens {args.empirical_max_tokens}): "
+              f"{ok}/{len(recs)} = {ok / len(recs):.1%} parse and validate; refused {refused}; "
+              f"reported valid=False {flagged}; reported valid but invalid {lied}", flush=True)
+
+
 def _real_masks(V: int) -> dict[str, torch.Tensor]:
     """Masks a real JSON-schema matcher produces (SmolLM2 tokenizer, padded to V ids):
     inside a string value and right after an object's opening brace."""
@@ -129,11 +173,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the bitmask timing")
     ap.add_argument("--skip-coverage", action="store_true")
     ap.add_argument("--skip-bitmask", action="store_true")
+    ap.add_argument("--empirical", type=int, default=0, metavar="N",
+                    help="also generate with the default model for N schemas per file (empirical coverage)")
+    ap.add_argument("--empirical-max-tokens", type=int, default=256)
     args = ap.parse_args()
     if not args.skip_bitmask:
         bitmask_timing(args.threads)
     if not args.skip_coverage:
         coverage(args)
+    if args.empirical:
+        empirical(args)
 
 
 if __name__ == "__main__":
