@@ -1,10 +1,14 @@
 """Print the grammar layer's JSONSchemaBench coverage and the bitmask-apply timings.
 
-    .venv/bin/python benchmarks/grammar_coverage.py [--limit N] [--backend xgrammar|outlines]
-        [--no-fallback] [--lenient] [--skip-coverage] [--skip-bitmask]
+    .venv/bin/python benchmarks/grammar_coverage.py [--limit N] [--backend xgrammar|llguidance|outlines]
+        [--no-fallback] [--all-backends] [--lenient] [--skip-coverage] [--skip-bitmask]
+        [--empirical N [--empirical-max-tokens M]]
 
 Coverage (per bench file): declared coverage (schemas that compile), valid-instance acceptance
-and invalid-instance rejection, with the default model's tokenizer (SmolLM2-135M). The bitmask
+and invalid-instance rejection, approximated grammars, exact leaks (invalid instances accepted by
+a grammar reported exact: must be 0), compile time and mask time per token p50/p99, with the
+default model's tokenizer (SmolLM2-135M). --all-backends measures each backend alone and then
+the fallback chain. The bitmask
 timing compares deepinfer's apply_token_bitmask_ with xgrammar's apply_token_bitmask_inplace on
 CPU at vocab 49k and 129k, batch 1 and 32, on random, structural (sparse) and free-text
 (dense) masks.
@@ -46,14 +50,65 @@ def coverage(args) -> None:
     if not BENCH_DIR.exists():
         print(f"JSONSchemaBench not found at {BENCH_DIR}; skipping coverage")
         return
+    from deepinfer.grammar.compiler import BACKEND_NAMES
+    from deepinfer.grammar.coverage import merge
+
     tok, stops = load_smollm2_tokenizer()
-    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend=args.backend, fallback=not args.no_fallback,
-                        strict_json=not args.lenient)
-    print(f"coverage: backend={args.backend} fallback={not args.no_fallback} strict_json={not args.lenient}")
-    for r in measure_bench(c, BENCH_DIR, limit=args.limit):
-        print(r.row(), flush=True)
-        for f in r.failures[: args.show_failures]:
-            print("    failed:", f)
+    runs = [(b, False) for b in BACKEND_NAMES] + [(args.backend, True)] if args.all_backends else \
+        [(args.backend, not args.no_fallback)]
+    for backend, fallback in runs:
+        c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend=backend, fallback=fallback,
+                            strict_json=not args.lenient)
+        print(f"coverage: backend={backend} fallback={fallback} strict_json={not args.lenient}")
+        parts = measure_bench(c, BENCH_DIR, limit=args.limit, time_masks=True)
+        for r in parts:
+            print(r.row(), flush=True)
+            for f in r.failures[: args.show_failures]:
+                print("    failed:", f)
+        print(merge("ALL", parts).row(), flush=True)
+
+
+def empirical(args) -> None:
+    """Empirical coverage with the default model: outputs that parse and validate / schemas, with
+    and without complete_within_budget, and outputs reported valid that fail validation (must be 0)."""
+    import json
+    import random
+
+    import jsonschema
+
+    from deepinfer import Engine, SamplingParams
+    from deepinfer.grammar.coverage import BENCH_FILES, load_bench_file
+
+    if not BENCH_DIR.exists():
+        print(f"JSONSchemaBench not found at {BENCH_DIR}; skipping empirical coverage")
+        return
+    recs = []
+    for f in BENCH_FILES:
+        rs = load_bench_file(BENCH_DIR / f)
+        recs += random.Random(0).sample(rs, min(args.empirical, len(rs)))
+    engine = Engine(kv_cache_memory=1 << 30)
+    prompts = [[{"role": "user", "content": "Produce one JSON value that follows this JSON schema:\n"
+                 + json.dumps(r["schema"])[:1500]}] for r in recs]
+    for budget in (False, True):
+        params = [SamplingParams(temperature=0, max_tokens=args.empirical_max_tokens, json_schema=r["schema"],
+                                 complete_within_budget=budget) for r in recs]
+        outs = engine.generate(prompts, params)
+        ok = lied = refused = flagged = 0
+        for o, r in zip(outs, recs):
+            if o.finish_reason == "error":
+                refused += 1
+                continue
+            try:
+                jsonschema.validate(json.loads(o.text), r["schema"], format_checker=jsonschema.FormatChecker())
+                good = True
+            except Exception:
+                good = False
+            ok += good
+            lied += o.valid is True and not good
+            flagged += o.valid is False
+        print(f"empirical (complete_within_budget={budget}, max_tokens {args.empirical_max_tokens}): "
+              f"{ok}/{len(recs)} = {ok / len(recs):.1%} parse and validate; refused {refused}; "
+              f"reported valid=False {flagged}; reported valid but invalid {lied}", flush=True)
 
 
 def _real_masks(V: int) -> dict[str, torch.Tensor]:
@@ -112,16 +167,22 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="schemas per file (seeded sample)")
     ap.add_argument("--backend", default="xgrammar")
     ap.add_argument("--no-fallback", action="store_true")
+    ap.add_argument("--all-backends", action="store_true", help="each backend alone, then with fallback")
     ap.add_argument("--lenient", action="store_true", help="JSON Schema semantics: undeclared properties allowed")
     ap.add_argument("--show-failures", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the bitmask timing")
     ap.add_argument("--skip-coverage", action="store_true")
     ap.add_argument("--skip-bitmask", action="store_true")
+    ap.add_argument("--empirical", type=int, default=0, metavar="N",
+                    help="also generate with the default model for N schemas per file (empirical coverage)")
+    ap.add_argument("--empirical-max-tokens", type=int, default=256)
     args = ap.parse_args()
     if not args.skip_bitmask:
         bitmask_timing(args.threads)
     if not args.skip_coverage:
         coverage(args)
+    if args.empirical:
+        empirical(args)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", "-b", type=int, default=64, help="programs in flight at once (default 64)")
     for name, typ in _SAMPLING_OPTIONS.items():
         run.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"default {name} of every gen")
+    run.add_argument("--no-complete-within-budget", dest="complete_within_budget", action="store_false",
+                     help="let constrained gens run out of max_tokens half-written (default: near max_tokens "
+                          "only tokens that still let the output complete are allowed)")
     run.add_argument("--seed", type=int, default=None, help="seed: each record samples from (seed, its id)")
     run.add_argument("--limit", type=int, default=None, help="process only the first N records")
     run.add_argument("--resume", action="store_true", help="continue OUTPUT, skipping records already in it")
@@ -63,7 +66,8 @@ def _run(args: argparse.Namespace) -> int:
             input=args.input, output=args.output, batch_size=args.batch_size, limit=args.limit,
             resume=args.resume, ordered=args.ordered, seed=args.seed, mapping=parse_map(args.map),
             field=args.field, progress=not args.quiet, log_interval=args.log_interval,
-            sampling={k: getattr(args, k) for k in _SAMPLING_OPTIONS if getattr(args, k) is not None},
+            sampling={k: getattr(args, k) for k in _SAMPLING_OPTIONS if getattr(args, k) is not None}
+            | {"complete_within_budget": args.complete_within_budget},  # only constrained gens use it
         )
         validate_options(program, opts)  # everything checkable before the model loads
     except JobUsageError as e:

@@ -25,6 +25,11 @@ class GrammarError(InvalidRequestError):
     """A regex, JSON schema or grammar is invalid or no backend can compile it."""
 
 
+class InvalidSpecError(GrammarError):
+    """The constraint itself is invalid or admits no output (empty enum, minimum > maximum, ...):
+    every backend refuses it; the fallback never hands it to a weaker backend."""
+
+
 class OutOfBlocksError(DeepInferError):
     """The KV-cache block pool cannot satisfy an allocation (the scheduler preempts on this)."""
 

@@ -32,7 +32,7 @@ class EngineConfig:
     # the planning thread takes a core from the forward (0.80x at batch 64), and on an H200 with a
     # small model the forward itself is CPU-bound launch work that the GIL serialises (see README)
     overlap_schedule: bool = False
-    grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
+    grammar_backend: str = "xgrammar"  # "xgrammar" | "llguidance" | "outlines"
     grammar_fallback: bool = True
     # verify the grammar's forced continuation (e.g. a JSON key) as draft tokens: one forward pass
     # for the whole run instead of one per token, and the output is what it would be without it
@@ -83,8 +83,8 @@ class EngineConfig:
             raise bad(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
         if self.speculative is not None and self.overlap_schedule:
             raise bad("speculative decoding runs in the synchronous loop: set overlap_schedule=False")
-        if self.grammar_backend not in ("xgrammar", "outlines"):
-            raise bad(f"grammar_backend must be 'xgrammar' or 'outlines', got {self.grammar_backend!r}")
+        if self.grammar_backend not in ("xgrammar", "llguidance", "outlines"):
+            raise bad(f"grammar_backend must be 'xgrammar', 'llguidance' or 'outlines', got {self.grammar_backend!r}")
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> "EngineConfig":

@@ -39,6 +39,7 @@ from deepinfer.errors import InvalidRequestError, PromptTooLongError
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
 MAX_FORCED_DRAFT = 32  # most forced tokens verified in one step (a forced string can be a long JSON key)
+BUDGET_ZONE = 64  # complete_within_budget: no drafts this close to max_tokens (grammar/budget.py MARGIN = 16)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -284,7 +285,8 @@ class Engine:
                 continue
             n_decoding += 1
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            if room <= 0:
+            if room <= 0 or (seq.params.complete_within_budget and room <= BUDGET_ZONE):
+                # near its budget the guard's masks depend on its own walk history: decode one by one
                 continue
             if seq.matcher is not None and self.config.jump_forward:
                 # near-certain and what jump-forward used to append unverified: no budget applies

@@ -143,6 +143,10 @@ class OutputProcessor:
         self._drop_placeholders(seq)
         self._finished.append(seq)
         self.stats.num_finished += 1
+        if seq.grammar is not None:  # validation at finish (deepinfer.grammar.validate)
+            from deepinfer.grammar.validate import check_output
+
+            seq.valid, seq.violation = check_output(seq.grammar, seq.matcher, seq.text, reason, stop_reason)
 
     @staticmethod
     def make_output(seq: Sequence) -> RequestOutput:
@@ -170,6 +174,9 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
             grammar_backend=seq.grammar_backend,
+            grammar_approximated=list(seq.grammar.approximated) if seq.grammar is not None else [],
+            valid=seq.valid,
+            violation=seq.violation,
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
         )

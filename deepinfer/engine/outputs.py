@@ -39,6 +39,11 @@ class RequestOutput:
     grammar_backend: str | None = None
     num_draft_tokens: int = 0  # speculative decoding: draft tokens the model verified
     num_accepted_draft_tokens: int = 0  # of those, accepted (each saved one decode step)
+    #: JSON-schema keywords the grammar only approximated (empty when it is exact)
+    grammar_approximated: list[str] = field(default_factory=list)
+    #: a finished JSON-schema output: True / False (see `violation`) / None (not checked)
+    valid: bool | None = None
+    violation: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,6 +44,10 @@ class SamplingParams:
     choices: list[str] | None = None
     dtype: Any = None  # int / float / bool / str (or their names)
     json_object: bool = False
+    # constrained output only: near max_tokens allow only tokens after which the grammar can still
+    # complete in the tokens left (deepinfer.grammar.budget), so the output parses instead of
+    # ending half-written with finish_reason="length"
+    complete_within_budget: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()

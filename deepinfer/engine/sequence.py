@@ -37,6 +37,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     matcher: Any = None  # grammar matcher (deepinfer.grammar), None when unconstrained
     grammar_backend: str | None = None
+    grammar: Any = None  # the CompiledGrammar behind matcher (exactness, validation at finish)
+    valid: bool | None = None  # JSON-schema output validated at finish (None: not checked)
+    violation: str | None = None  # the first reason it is not valid
     detok: Any = None  # IncrementalDetokenizer
     text: str = ""
     reported_tokens: int = 0  # output tokens already handed to the caller

@@ -52,6 +52,7 @@ class StructuredOutputs:
         compiled, backend = self._compiler.compile(spec)
         seq.matcher = compiled.new_matcher()
         seq.grammar_backend = backend
+        seq.grammar = compiled
 
     def apply_masks(self, logits: torch.Tensor, rows: list[tuple[Sequence, int, list[int]]], step_id: int) -> list[int]:
         """Mask logits in place. rows: (sequence, its first row in logits, its drafts); the sequence's
@@ -68,21 +69,40 @@ class StructuredOutputs:
         masked: list[int] = []
         for i in constrained:
             seq, r0, drafts = rows[i]
+            guard = self._budget_guard(seq, logits)
             if not drafts and seq.next_mask is not None and seq.next_mask_step == step_id:
                 bitmask[r0] = seq.next_mask[0]  # filled while this step's forward ran
+                if guard is not None:
+                    guard(bitmask, r0, 0)
                 masked.append(r0)
             else:
-                valid[i] = self._walk_drafts(seq, bitmask, r0, drafts)
+                valid[i] = self._walk_drafts(seq, bitmask, r0, drafts, guard)
                 masked.extend(range(r0, r0 + valid[i]))
             seq.next_mask = None
         apply_token_bitmask_(logits, bitmask, rows=masked)
         self.stats.record_grammar(time.perf_counter() - t, len(masked))
         return valid
 
+    def _budget_guard(self, seq: Sequence, logits: torch.Tensor):
+        """complete_within_budget: fn(bitmask, row, j) narrowing the mask of the draw j tokens
+        after the sequence's output so far (grammar/budget.py); None when not asked for."""
+        p = seq.params
+        if not getattr(p, "complete_within_budget", False):
+            return None
+        guard = self._compiler.budget_guard()
+        n_out = len(seq.output_token_ids) - len(seq.placeholders)
+
+        def restrict(bitmask: torch.Tensor, row: int, j: int) -> None:
+            guard.restrict(seq.matcher, bitmask, row, logits[row], p.max_tokens - (n_out + j))
+
+        return restrict
+
     @staticmethod
-    def _walk_drafts(seq: Sequence, bitmask: torch.Tensor, r0: int, drafts: list[int]) -> int:
+    def _walk_drafts(seq: Sequence, bitmask: torch.Tensor, r0: int, drafts: list[int], guard=None) -> int:
         m = seq.matcher
         m.fill_bitmask(bitmask, r0)
+        if guard is not None:
+            guard(bitmask, r0, 0)
         walked = valid = 0
         for d in drafts:
             if not m.accept_token(d):
@@ -91,6 +111,8 @@ class StructuredOutputs:
             if m.is_terminated():  # the draft ends the output: nothing after it is sampled
                 break
             m.fill_bitmask(bitmask, r0 + walked)
+            if guard is not None:
+                guard(bitmask, r0 + walked, walked)
             valid = walked
         if walked:
             m.rollback(walked)

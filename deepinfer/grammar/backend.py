@@ -57,10 +57,21 @@ class GrammarMatcher(ABC):
 
 
 class CompiledGrammar(ABC):
-    """A spec compiled for one tokenizer; cheap to make matchers from, shareable across threads."""
+    """A spec compiled for one tokenizer; cheap to make matchers from, shareable across threads.
+
+    `warnings`: the backend's own diagnostics from compiling it. `approximated`: the schema
+    keywords it does not enforce exactly (set by GrammarCompiler from the backend's keyword table
+    and warnings, see deepinfer.grammar.exactness); empty when every accepted output is valid.
+    """
 
     spec: GrammarSpec
     backend_name: str
+    warnings: list[str] = []
+    approximated: tuple[str, ...] = ()
+
+    @property
+    def exact(self) -> bool:
+        return not self.approximated
 
     @abstractmethod
     def new_matcher(self) -> GrammarMatcher:

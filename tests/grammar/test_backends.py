@@ -1,4 +1,4 @@
-"""Both backends through the common matcher interface, driven by seeded random walks."""
+"""Every backend through the common matcher interface, driven by seeded random walks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import xgrammar as xgr
 from deepinfer.errors import GrammarError
 from deepinfer.grammar import allocate_token_bitmask, allowed_token_ids, decode_output, jump_forward, spec_from_params
 
-BACKENDS = ["compiler", "outlines_compiler"]
-WALKERS = {"compiler": "walker", "outlines_compiler": "outlines_walker"}
+BACKENDS = ["compiler", "outlines_compiler", "llg_compiler"]
+WALKERS = {"compiler": "walker", "outlines_compiler": "outlines_walker", "llg_compiler": "llg_walker"}
 
 REGEXES = [
     r"[0-9]+(\.[0-9]+)?",

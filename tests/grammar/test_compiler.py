@@ -78,12 +78,12 @@ def test_fallback_from_an_injected_failing_backend(smol):
         strict.compile(spec_from_params(regex=r"[0-9]{2}"))
 
 
-def test_regex_outlines_accepts_but_xgrammar_rejects_falls_back(smol):
+def test_regex_xgrammar_rejects_falls_back(smol):
     tok, stops = smol
     c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
     pattern = r"\p{Greek}{2}"  # a Unicode class: Rust regex (outlines) has it, xgrammar does not
     compiled, served = c.compile(spec_from_params(regex=pattern))
-    assert served == "outlines" and c.stats["fallbacks"] == 1
+    assert served == "llguidance" and c.stats["fallbacks"] == 1  # next in BACKEND_NAMES order
     m = compiled.new_matcher()
     for t in tok.encode("αβ", add_special_tokens=False).ids:
         assert m.accept_token(t)
@@ -143,3 +143,49 @@ def test_129k_vocab_compiles_and_walks(deepseek_tok):
     assert m.can_terminate() and m.accept_token(eos) and m.is_terminated()
     m2 = compiled.new_matcher()
     assert not m2.accept_token(tok.encode("purple", add_special_tokens=False).ids[0])
+
+
+def test_compile_timeout_turns_a_stall_into_an_error_or_a_fallback(smol):
+    import time
+
+    tok, stops = smol
+
+    class Slow(GrammarBackend):
+        name = "slow"
+
+        def compile(self, spec):
+            time.sleep(3)
+            raise AssertionError("never reached in time")
+
+    alone = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="slow", fallback=False,
+                            backends={"slow": lambda v: Slow()}, compile_timeout=0.3)
+    t0 = time.perf_counter()
+    with pytest.raises(GrammarError, match="longer than 0.3s"):
+        alone.compile(spec_from_params(regex="[0-9]+"))
+    assert time.perf_counter() - t0 < 2 and alone.stats["timeouts"] == 1
+    chained = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="slow", backends={"slow": lambda v: Slow()},
+                              compile_timeout=0.3)
+    _, served = chained.compile(spec_from_params(regex="[0-9]+"))
+    assert served == "xgrammar"
+    with pytest.raises(GrammarError, match="compile_timeout"):
+        GrammarCompiler(tok, tok.get_vocab_size(), stops, compile_timeout=0)
+
+
+def test_compile_async_compiles_distinct_specs_while_the_caller_works(smol):
+    """50 distinct schemas compile in the pool while the calling thread keeps filling masks."""
+    from deepinfer.grammar import allocate_token_bitmask
+
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
+    m = c.new_matcher(spec_from_params(regex="[a-z]+"))
+    mask = allocate_token_bitmask(1, c.vocab_size)
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer", "maximum": i + 1}},
+                "required": [f"k{i}"]} for i in range(50)]
+    futures = [c.compile_async(spec_from_params(json_schema=s)) for s in schemas]
+    steps = 0
+    while not all(f.done() for f in futures):
+        m.fill_bitmask(mask, 0)  # the "decode loop" is never blocked by the compiles
+        steps += 1
+    assert steps > 1
+    served = [f.result()[1] for f in futures]
+    assert served == ["xgrammar"] * 50 and c.stats["compiles"] == 51  # with the regex above

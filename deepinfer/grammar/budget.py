@@ -1,0 +1,101 @@
+"""Complete within budget: when the tokens left approach what the grammar needs to close, allow
+only tokens after which a completion still fits (SamplingParams.complete_within_budget).
+
+The tokens a state needs are bounded from above by a greedy closing path: from the matcher's
+state, repeatedly take the first allowed token of a preference list (closing quotes and
+brackets, then the shortest values), else the lowest allowed id that is not whitespace, until the
+grammar can terminate. Once the budget is within MARGIN tokens of that bound, the row's mask keeps
+only the path's next token and those of the model's top candidates whose own closing path still
+fits (each checked by accepting it and rolling back), plus the stop tokens where the grammar can end.
+So every step taken in that zone leaves a completion that fits. Before the zone the model is free;
+one token that makes the bound jump by more than MARGIN (an object with many required keys opened
+at the last moment) can still run out, which is why MARGIN is generous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.grammar.bitmask import allocate_token_bitmask, allowed_token_ids
+
+MARGIN = 16  # tokens of slack before the guard starts to restrict
+TOP_K = 4  # the model's best allowed tokens checked in the guarded zone
+_PREFERRED = (b'"}', b'"]', b"}}", b"]}", b"}]", b"]]", b'"', b"}", b"]", b"0", b'""', b"[]", b"{}",
+              b"1", b"null", b"true", b"false", b"a", b":")
+
+
+class BudgetGuard:
+    """Per vocabulary: the preferred closing tokens, and the mask restriction."""
+
+    def __init__(self, token_bytes: list[bytes | None], stop_ids: list[int], vocab_size: int):
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(set(stop_ids))
+        by_bytes = {b: i for i, b in reversed(list(enumerate(token_bytes))) if b is not None}
+        self.preferred = [by_bytes[b] for b in _PREFERRED if b in by_bytes]
+        self._rank = torch.full((vocab_size,), len(self.preferred) + 2, dtype=torch.int64)
+        for i, b in enumerate(token_bytes):
+            if b is not None and b.strip() == b"":
+                self._rank[i] = len(self.preferred) + 3  # whitespace last: it never closes anything
+        for r, t in enumerate(self.preferred):
+            self._rank[t] = r
+        self._rank[self.stop_ids] = 1 << 40  # never part of a path: ending is checked separately
+        self._mask = allocate_token_bitmask(1, vocab_size)
+
+    def closing_path(self, matcher, limit: int) -> list[int] | None:
+        """Greedy tokens that bring matcher to a state where it can terminate (the matcher is
+        left as it was); None when none found within limit tokens."""
+        path: list[int] = []
+        try:
+            while not matcher.can_terminate():
+                if len(path) >= limit:
+                    return None
+                matcher.fill_bitmask(self._mask, 0)
+                words = self._mask[0]
+                t = next((p for p in self.preferred if (int(words[p // 32]) >> (p % 32)) & 1), None)
+                if t is None:  # none of the closers: scan the row
+                    ids = allowed_token_ids(words, self.vocab_size)
+                    if ids.numel() == 0:
+                        return None
+                    t = int(ids[torch.argmin(self._rank[ids] * self.vocab_size + ids)])
+                if t in self.stop_ids or not matcher.accept_token(t):
+                    return None
+                path.append(t)
+            return path
+        finally:
+            if path:
+                matcher.rollback(len(path))
+
+    def restrict(self, matcher, bitmask: torch.Tensor, row: int, logits: torch.Tensor, tokens_left: int) -> None:
+        """Narrow bitmask[row] (already filled from matcher) so that a completion, stop token
+        included, fits in tokens_left tokens (this step's token counts)."""
+        if not getattr(matcher, "supports_rollback", False) or matcher.is_terminated():
+            return
+        # far from the zone, the bound is refreshed only every MARGIN // 2 tokens (it is a greedy
+        # walk of mask fills); the zone is entered with MARGIN tokens of slack
+        last = getattr(matcher, "_budget_last", None)
+        if last is not None and tokens_left > last[1] + 2 * MARGIN and last[0] - tokens_left < MARGIN // 2:
+            return
+        path = self.closing_path(matcher, tokens_left)
+        matcher._budget_last = (tokens_left, len(path) if path is not None else tokens_left)
+        if path is None or tokens_left > len(path) + 1 + MARGIN:
+            return  # cannot close anyway (the mask is left alone) or plenty of room
+        keep = set(path[:1])
+        allowed = allowed_token_ids(bitmask[row], self.vocab_size)
+        allowed = allowed[~torch.isin(allowed, torch.tensor(self.stop_ids, dtype=allowed.dtype))]
+        if allowed.numel():
+            scores = logits[allowed.to(logits.device)].float().cpu()
+            for t in allowed[torch.topk(scores, min(TOP_K, allowed.numel())).indices].tolist():
+                if t in keep or not matcher.accept_token(t):
+                    continue
+                rest = self.closing_path(matcher, tokens_left - 2)
+                matcher.rollback(1)
+                if rest is not None and 1 + len(rest) + 1 <= tokens_left:
+                    keep.add(t)
+        can_end = matcher.can_terminate()
+        out = bitmask[row]
+        out.zero_()
+        ids = sorted(keep | (set(self.stop_ids) if can_end else set()))
+        for t in ids:
+            word = t // 32
+            bit = 1 << (t % 32)
+            out[word] = int(out[word]) | (bit - (1 << 32) if bit >= 1 << 31 else bit)

@@ -1,0 +1,152 @@
+"""llguidance backend: JSON schemas, regex, EBNF (via Lark) and choices.
+
+llguidance refuses JSON-schema keywords it does not implement (its non-lenient mode), so what it
+compiles it enforces; its own warnings are kept as diagnostics. A matcher that consumes a token
+the grammar forbids enters a permanent error state, so `accept_token` checks the token first to
+keep our contract (False and state unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance as llg
+import llguidance.torch as llg_torch
+import torch
+
+from deepinfer.errors import GrammarError, InvalidSpecError
+from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, CompiledGrammar, GrammarBackend, GrammarMatcher
+from deepinfer.grammar.spec import GrammarSpec
+from deepinfer.grammar.vocab import TokenizerVocab
+
+# Bounded whitespace between JSON elements, as for xgrammar: a sampled model cannot spin on
+# newlines forever, and 16 still fits indented output.
+_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
+_PROBLEM = {"regex": "invalid regex", "json_schema": "invalid JSON schema", "json_object": "invalid JSON schema",
+            "ebnf": "invalid EBNF", "choices": "invalid choices"}
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    supports_rollback = True
+
+    def __init__(self, cg: "LLGuidanceCompiled"):
+        self._cg = cg
+        self._m = cg.prototype.deep_copy()
+        self._terminated = False
+
+    def accept_token(self, token_id: int) -> bool:
+        t = int(token_id)
+        if self._terminated:
+            return False
+        if t in self._cg.stop_ids:
+            if not self._m.is_accepting():
+                return False
+            self._terminated = True  # the stop token itself is not fed to llguidance
+            return True
+        if not 0 <= t < self._cg.n_tokens or self._m.validate_tokens([t]) != 1:
+            return False
+        return bool(self._m.consume_token(t)) and not self._m.is_error()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        out = bitmask[row]
+        if self._terminated:
+            out.zero_()
+            return
+        llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
+        # stop tokens exactly when the text so far is complete (ours may differ from llguidance's EOS)
+        words, bits = self._cg.stop_words, self._cg.stop_bits
+        if self._m.is_accepting():
+            out[words] |= bits
+        else:
+            out[words] &= ~bits
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def can_terminate(self) -> bool:
+        return not self._terminated and bool(self._m.is_accepting())
+
+    def find_jump_forward_string(self, max_bytes: int = MAX_JUMP_FORWARD_BYTES) -> str:
+        if self._terminated or max_bytes <= 0:
+            return ""
+        return self._m.compute_ff_bytes()[:max_bytes].decode("utf-8", errors="ignore")
+
+    def rollback(self, n: int) -> None:
+        n = int(n)
+        if n and self._terminated:
+            self._terminated = False
+            n -= 1
+        if n and not self._m.rollback(n):
+            raise GrammarError(f"llguidance: cannot roll back {n} tokens: {self._m.get_error()}")
+
+    def reset(self) -> None:
+        self._m.reset()
+        self._terminated = False
+
+
+class LLGuidanceCompiled(CompiledGrammar):
+    backend_name = "llguidance"
+
+    def __init__(self, spec: GrammarSpec, prototype: "llg.LLMatcher", backend: "LLGuidanceBackend",
+                 warnings: list[str]):
+        self.spec = spec
+        self.prototype = prototype
+        self.warnings = warnings
+        self.stop_ids = backend.stop_ids
+        self.n_tokens = backend.n_tokens
+        self.stop_words, self.stop_bits = backend.stop_words, backend.stop_bits
+
+    def new_matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, vocab: TokenizerVocab):
+        if vocab.tokenizer is None:
+            raise GrammarError("llguidance needs the tokenizer's definition (TokenizerVocab.from_tokenizer)")
+        self.vocab = vocab
+        self.stop_ids = frozenset(vocab.stop_token_ids)
+        self.n_tokens = vocab.vocab_size
+        self.tokenizer = llg.LLTokenizer(vocab.tokenizer.to_str(), n_vocab=vocab.vocab_size,
+                                         eos_token=list(vocab.stop_token_ids) or None)
+        # stop bits grouped per mask word (one |= / &= per word)
+        per_word: dict[int, int] = {}
+        for t in vocab.stop_token_ids:
+            per_word[t // 32] = per_word.get(t // 32, 0) | (1 << (t % 32))
+        self.stop_words = torch.tensor(sorted(per_word), dtype=torch.int64)
+        self.stop_bits = torch.tensor(
+            [v - (1 << 32) if v >= 1 << 31 else v for _, v in sorted(per_word.items())], dtype=torch.int32
+        )
+
+    def grammar_for(self, spec: GrammarSpec) -> str:
+        """llguidance's grammar text for spec."""
+        if spec.kind in ("json_schema", "json_object"):
+            return llg.LLMatcher.grammar_from_json_schema(spec.text, defaults=_JSON_OPTIONS)
+        if spec.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec.text)
+        if spec.kind == "ebnf":
+            return llg.LLMatcher.grammar_from_lark(llg.gbnf_to_lark(spec.text))
+        if spec.kind == "choices":
+            alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec.text))
+            return llg.LLMatcher.grammar_from_lark(f"start: {alts}")
+        raise GrammarError(f"llguidance: unsupported grammar kind {spec.kind!r}")
+
+    def compile(self, spec: GrammarSpec) -> LLGuidanceCompiled:
+        try:
+            grammar = self.grammar_for(spec)
+            is_err, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        except GrammarError:
+            raise
+        except Exception as e:  # gbnf_to_lark / grammar_from_* raise ValueError on malformed input
+            raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (llguidance): {e}") from e
+        if is_err:
+            msg = messages[0].strip().splitlines()[0] if messages else "rejected"
+            if "Unsatisfiable schema" in msg:  # llguidance proved no instance exists: not a coverage gap
+                raise InvalidSpecError(f"unsatisfiable JSON schema (llguidance): {msg}")
+            raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (llguidance): {msg}")
+        m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (llguidance): {m.get_error()}")
+        return LLGuidanceCompiled(spec, m, self, list(messages))
