@@ -2,7 +2,8 @@
 
 Two backends, measured on the reference 2-core CPU (AVX-512, fp32) against ``F.linear`` (MKL):
 
-* ``native`` (default where the native kernels build): deepinfer_kernels.native's panel GEMM
+* ``native`` (default where the native kernels build and the CPU has AVX-512, see
+  ``native_gemm_preferred``): deepinfer_kernels.native's panel GEMM
   (csrc/gemm.c), the weight streamed once per call with the partial sums in registers. On
   SmolLM2's shapes with the weights coming from memory: 1.4-2.2x oneDNN's packed GEMM at 1 row,
   1.1-1.25x at 32, about equal at prefill sizes; in the engine (A/B in one process) batch-1
@@ -40,6 +41,25 @@ def native_available() -> bool:
     return native.available()
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_gemm_preferred() -> bool:
+    """The native panel GEMM holds an 8 x 48 fp32 tile in 24 vector registers: AVX-512 has 32 of
+    16 floats, AVX2 only 16 of 8, so there the tile spills. Measured on an AVX2-only EPYC (2 cores):
+    native 367 us vs F.linear 86 us for one 1536 x 576 row, and the engine at batch 16 ran 16 tok/s
+    on it vs 170 on oneDNN. So it is the default only where the CPU has AVX-512F."""
+    return native_available() and "avx512f" in _cpu_flags()
+
+
 def packed_gemm_available() -> bool:
     """True when some packed backend runs here."""
     return native_available() or onednn_available()
@@ -68,8 +88,11 @@ class CpuLinear:
     def __init__(self, weights: Iterable[torch.Tensor], invariant: bool = False, gated: Iterable[torch.Tensor] = (),
                  backend: str | None = None):
         """weights: plain projections; gated: stacked [gate; up] weights used through silu_mul;
-        backend: "native" or "onednn" (None: native where it builds)."""
-        self.backend = backend or ("native" if native_available() else "onednn")
+        backend: "native" or "onednn" (None: native where it is preferred, see native_gemm_preferred;
+        oneDNN where that is missing, else native)."""
+        if backend is None:
+            backend = "native" if native_gemm_preferred() or not onednn_available() else "onednn"
+        self.backend = backend
         if self.backend not in ("native", "onednn"):
             raise ValueError(f"CpuLinear backend must be 'native' or 'onednn', got {self.backend!r}")
         self.invariant = invariant

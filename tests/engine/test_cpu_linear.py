@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import Engine
-from deepinfer.engine.cpu_linear import CpuLinear, chunked_linear, native_available, onednn_available, packed_gemm_available
+from deepinfer.engine.cpu_linear import (
+    CpuLinear, chunked_linear, native_available, native_gemm_preferred, onednn_available, packed_gemm_available,
+)
 
 pytestmark = pytest.mark.skipif(not packed_gemm_available(), reason="neither the native kernels nor oneDNN run here")
 
@@ -75,7 +77,7 @@ def test_runner_picks_packed_linear_and_falls_back_when_not_invariant(tiny_model
     path = str(tiny_models["llama"])
     eng = Engine(path, kv_cache_memory=8 << 20)
     assert isinstance(eng.runner.linear, CpuLinear) and not eng.runner.linear.invariant
-    assert eng.runner.linear.backend == ("native" if native_available() else "onednn")
+    assert eng.runner.linear.backend == ("native" if native_gemm_preferred() else "onednn")
     assert isinstance(Engine(path, kv_cache_memory=8 << 20, cpu_prepack=False).runner.linear, type(F.linear))
     bi = Engine(path, kv_cache_memory=8 << 20, batch_invariant=True)
     assert isinstance(bi.runner.linear, CpuLinear) and bi.runner.linear.invariant
