@@ -52,6 +52,10 @@ class OutputProcessor:
                 continue
             if seq.is_finished:
                 continue
+            if seq.error is not None:  # its grammar failed this step (StructuredOutputs.apply_masks)
+                self.finish(seq, "error")  # (drops the placeholder of this step's sample)
+                progressed.append(seq)
+                continue
             if e.drafts:
                 # KV is valid up to the last accepted draft; the rest (and the bonus token's slot) goes
                 self.kv.truncate(seq, e.start + len(toks))
@@ -78,10 +82,15 @@ class OutputProcessor:
             seq.logprobs.append(lp)
         if seq.matcher is not None:
             t = time.perf_counter()
-            ok = seq.matcher.accept_token(tok)
+            try:
+                ok = seq.matcher.accept_token(tok)
+            except Exception as e:  # a grammar library failing on one request fails only that one
+                ok, why = False, f"grammar failed on token {tok}: {type(e).__name__}: {e}"
+            else:
+                why = f"grammar rejected sampled token {tok}"
             self.stats.grammar_time += time.perf_counter() - t
             if not ok:
-                seq.error = f"grammar rejected sampled token {tok}"
+                seq.error = why
                 self.finish(seq, "error")
                 return
         new_text = seq.detok.add(tok)

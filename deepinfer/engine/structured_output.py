@@ -69,15 +69,19 @@ class StructuredOutputs:
         masked: list[int] = []
         for i in constrained:
             seq, r0, drafts = rows[i]
-            guard = self._budget_guard(seq, logits)
-            if not drafts and seq.next_mask is not None and seq.next_mask_step == step_id:
-                bitmask[r0] = seq.next_mask[0]  # filled while this step's forward ran
-                if guard is not None:
-                    guard(bitmask, r0, 0)
-                masked.append(r0)
-            else:
-                valid[i] = self._walk_drafts(seq, bitmask, r0, drafts, guard)
-                masked.extend(range(r0, r0 + valid[i]))
+            try:
+                guard = self._budget_guard(seq, logits)
+                if not drafts and seq.next_mask is not None and seq.next_mask_step == step_id:
+                    bitmask[r0] = seq.next_mask[0]  # filled while this step's forward ran
+                    if guard is not None:
+                        guard(bitmask, r0, 0)
+                    masked.append(r0)
+                else:
+                    valid[i] = self._walk_drafts(seq, bitmask, r0, drafts, guard)
+                    masked.extend(range(r0, r0 + valid[i]))
+            except Exception as e:  # a grammar library failing on one request fails only that one
+                seq.error = f"grammar failed while masking: {type(e).__name__}: {e}"
+                valid[i] = 1
             seq.next_mask = None
         apply_token_bitmask_(logits, bitmask, rows=masked)
         self.stats.record_grammar(time.perf_counter() - t, len(masked))
@@ -128,12 +132,17 @@ class StructuredOutputs:
         if max_tokens < 1 or seq.matcher.is_terminated():
             return []
         t = time.perf_counter()
-        # bounded: a grammar can force an endless string; a token rarely spans more than 16 bytes
-        jf = jump_forward(seq.matcher, self.tokenizer.hf, self.token_bytes,
-                          max_bytes=min(MAX_JUMP_FORWARD_BYTES, 16 * max_tokens), truncate=True)
-        if jf.token_ids:
-            seq.matcher.rollback(len(jf.token_ids))
-        self.stats.grammar_time += time.perf_counter() - t
+        try:
+            # bounded: a grammar can force an endless string; a token rarely spans more than 16 bytes
+            jf = jump_forward(seq.matcher, self.tokenizer.hf, self.token_bytes,
+                              max_bytes=min(MAX_JUMP_FORWARD_BYTES, 16 * max_tokens), truncate=True)
+            if jf.token_ids:
+                seq.matcher.rollback(len(jf.token_ids))
+        except Exception as e:  # drafts are optional; the request's next mask reports the failure
+            seq.error = f"grammar failed: {type(e).__name__}: {e}"
+            return []
+        finally:
+            self.stats.grammar_time += time.perf_counter() - t
         return jf.token_ids[:max_tokens]
 
     def prefill_mask(self, seq: Sequence) -> None:

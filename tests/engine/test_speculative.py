@@ -255,3 +255,25 @@ def test_budgeted_engine_learns_and_stays_exact(llama):
     before = st.drafts_admitted
     _same(plain.generate(prompts, sp), spec.generate(prompts, sp))
     assert st.drafts_admitted == before and st.drafts_proposed > 0
+
+
+@pytest.mark.parametrize("where", ["fill_bitmask", "accept_token", "find_jump_forward_string"])
+def test_a_failing_grammar_fails_only_its_request(llama, where):
+    eng = Engine(llama, kv_cache_memory=8 << 20, block_size=4)
+    prompts = random_prompts(2, seed=17)
+    sp = SamplingParams(temperature=0, max_tokens=20, regex=r"[a-z ]{1,40}")
+    alone = eng.generate([prompts[1]], sp)[0]
+    bad, good = eng.add_request(prompts[0], sp), eng.add_request(prompts[1], sp)
+
+    def boom(*a, **k):
+        raise RuntimeError("matcher exploded")
+
+    setattr(eng._seqs[bad].matcher, where, boom)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done[bad].finish_reason == "error" and "matcher exploded" in done[bad].error
+    assert done[good].token_ids == alone.token_ids and done[good].finish_reason == alone.finish_reason
+    assert_all_blocks_free(eng)
