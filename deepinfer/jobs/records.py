@@ -100,19 +100,24 @@ def to_record(seq: int, line_no: int, raw: str, sig: ProgramSignature, mapping: 
     return Record(seq, line_no, rid, kwargs, implicit_id=implicit)
 
 
+def _lines(path: str, limit: int | None) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the first `limit` non-blank lines, streamed."""
+    n = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if limit is not None and n >= limit:
+                return
+            if raw.strip():
+                n += 1
+                yield line_no, raw
+
+
 def iter_records(path: str, sig: ProgramSignature, mapping: dict[str, str] | None = None,
                  field: str | None = None, limit: int | None = None) -> Iterator[Record]:
     """Records of a JSON-lines file, read lazily (the file is never held in memory)."""
     mapping = mapping or {}
-    seq = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if limit is not None and seq >= limit:
-                return
-            if not raw.strip():
-                continue
-            yield to_record(seq, line_no, raw, sig, mapping, field)
-            seq += 1
+    for seq, (line_no, raw) in enumerate(_lines(path, limit)):
+        yield to_record(seq, line_no, raw, sig, mapping, field)
 
 
 def count_records(path: str, limit: int | None = None) -> int:
@@ -132,25 +137,18 @@ def check_unique_ids(path: str, limit: int | None = None) -> None:
     matched to records by id, so --resume would skip the second as done. Streams the file once,
     holding only the keys of the ids seen."""
     seen: dict[str, int] = {}
-    n = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if limit is not None and n >= limit:
-                return
-            if not raw.strip():
-                continue
-            n += 1
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError:
-                continue  # an error record with an implicit id: it cannot collide
-            rid, implicit = _id_of(obj, line_no)
-            if implicit:
-                continue
-            key = id_key(rid)
-            first = seen.setdefault(key, line_no)
-            if first != line_no:
-                raise JobUsageError(
-                    f"{path}: id {rid!r} appears on lines {first} and {line_no}; record ids must be unique "
-                    "(results and --resume match records by id)"
-                )
+    for line_no, raw in _lines(path, limit):
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError:
+            continue  # an error record with an implicit id: it cannot collide
+        rid, implicit = _id_of(obj, line_no)
+        if implicit:
+            continue
+        key = id_key(rid)
+        first = seen.setdefault(key, line_no)
+        if first != line_no:
+            raise JobUsageError(
+                f"{path}: id {rid!r} appears on lines {first} and {line_no}; record ids must be unique "
+                "(results and --resume match records by id)"
+            )
