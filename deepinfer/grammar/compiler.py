@@ -56,7 +56,9 @@ def check_nonempty(compiled: CompiledGrammar, vocab_size: int) -> None:
     mask = allocate_token_bitmask(1, vocab_size)
     m.fill_bitmask(mask, 0)
     if not bool(mask.any()):
-        raise InvalidSpecError(f"{compiled.spec.kind} spec admits no output (its language is empty)")
+        raise InvalidSpecError(
+            f"{compiled.spec.kind} spec admits no output: no token can start it (its language is empty)"
+        )
 
 
 class _Pending:
@@ -194,7 +196,9 @@ class GrammarCompiler:
         backend's InvalidSpecError ends the search: no weaker backend may serve it."""
         try:
             if spec.kind == "regex" and regex_is_empty(spec.text):
-                raise InvalidSpecError(f"regex {spec.text!r} matches no string (e.g. a class like [^\\s\\S])")
+                raise InvalidSpecError(
+                    f"regex {spec.text!r} matches no string: its language is empty (e.g. a class like [^\\s\\S])"
+                )
             check_spec(spec)
         except InvalidSpecError:
             with self._lock:
