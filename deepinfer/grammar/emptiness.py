@@ -1,19 +1,17 @@
 """Compile-time proof that a constraint matches no string at all, so such a request is refused at
 submission (GrammarError) instead of failing at its first sampled token.
 
-Two checks, both conservative (they report "empty" only when sure):
+A conservative check (it reports "empty" only when sure); any kind whose fresh matcher allows no
+token and cannot end is refused by `compiler.check_nonempty`.
 - `regex_is_empty`: walks Python's parse of the regex; a class like `[^\\s\\S]` (a category and
   its complement, negated) or a negative lookahead of the empty string matches nothing, and a
   sequence holding one such part is empty too. Regexes Python cannot parse are left to the backend.
-- `first_step_is_dead`: a fresh matcher that allows no token and cannot terminate (any kind).
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-
-import torch
 
 try:  # the parser moved in Python 3.11
     import re._constants as _c
@@ -92,14 +90,3 @@ def regex_is_empty(pattern: str) -> bool:
         return _empty(list(parsed))
     except RecursionError:
         return False
-
-
-def first_step_is_dead(matcher, vocab_size: int) -> bool:
-    """True when a fresh matcher allows no token at all and cannot end: nothing can be generated."""
-    from deepinfer.grammar.bitmask import allocate_token_bitmask
-
-    if matcher.can_terminate():
-        return False
-    mask = allocate_token_bitmask(1, vocab_size)
-    matcher.fill_bitmask(mask, 0)
-    return not bool(torch.any(mask[0] != 0))
