@@ -128,7 +128,7 @@ class Engine:
             top = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k), 256))
             sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} | {top})
             cost = ForwardCost(self.runner.measure_forward_cost(sizes))
-        return Speculator(NgramDrafter(k, index=SuffixIndex()), cost, k)
+        return Speculator(NgramDrafter(k, index=SuffixIndex()), cost)
 
     # ---- submission -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> list[int]:
@@ -279,7 +279,7 @@ class Engine:
         t0 = time.perf_counter()
         candidates, prefill, n_decoding, forced = [], 0, 0, 0
         for seq in self.scheduler.running:
-            seq.draft_token_ids = []  # drafts a budget-limited step did not schedule are stale now
+            seq.draft_token_ids.clear()  # drafts a budget-limited step did not schedule are stale now
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.placeholders:
                 prefill += seq.num_tokens - seq.num_computed_tokens
                 continue

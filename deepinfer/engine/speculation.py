@@ -103,11 +103,10 @@ class VerifyPlan:
 class Speculator:
     """Proposes drafts for decoding sequences, sizes their verification, and learns from results."""
 
-    def __init__(self, drafter: NgramDrafter, cost: ForwardCost | None, max_draft: int):
+    def __init__(self, drafter: NgramDrafter, cost: ForwardCost | None):
         self.drafter = drafter
         self.cost = cost  # None: verify every proposed draft (no budget)
-        self.max_draft = max_draft
-        self.confidence = DraftConfidence(max_draft)
+        self.confidence = DraftConfidence(drafter.max_draft)
 
     def propose(self, seqs: list[tuple[Sequence, int]], base_tokens: int, base_gain: float) -> VerifyPlan:
         """seqs: (decoding sequence, most drafts it may take); base_tokens / base_gain: the step's query

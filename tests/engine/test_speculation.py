@@ -59,7 +59,7 @@ def _seq(tokens):
 
 
 def test_speculator_sizes_and_learns():
-    spec = Speculator(NgramDrafter(4), ForwardCost([(1, 1.0), (64, 2.26)]), 4)  # 2% of a step per token
+    spec = Speculator(NgramDrafter(4), ForwardCost([(1, 1.0), (64, 2.26)]))  # 2% of a step per token
     seq = _seq([5, 6, 7, 8, 9, 5, 6, 7])
     plan = spec.propose([(seq, 4)], base_tokens=1, base_gain=1.0)
     assert plan.proposed == 4 and seq.draft_token_ids == [8, 9, 5, 6] and plan.admitted == 4
