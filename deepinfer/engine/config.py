@@ -34,6 +34,9 @@ class EngineConfig:
     overlap_schedule: bool = False
     grammar_backend: str = "xgrammar"  # "xgrammar" | "llguidance" | "outlines"
     grammar_fallback: bool = True
+    # seconds one grammar backend may spend compiling one spec; past it the request fails with a
+    # GrammarError instead of waiting (compiles run off the step loop, see Engine.add_request)
+    grammar_compile_timeout: float | None = 60.0
     # verify the grammar's forced continuation (e.g. a JSON key) as draft tokens: one forward pass
     # for the whole run instead of one per token, and the output is what it would be without it
     # (in the synchronous loop; the overlapped loop decodes forced text token by token)
@@ -83,6 +86,11 @@ class EngineConfig:
             raise bad(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
         if self.speculative is not None and self.overlap_schedule:
             raise bad("speculative decoding runs in the synchronous loop: set overlap_schedule=False")
+        if self.grammar_compile_timeout is not None and not (
+            isinstance(self.grammar_compile_timeout, (int, float)) and not isinstance(self.grammar_compile_timeout, bool)
+            and self.grammar_compile_timeout > 0
+        ):
+            raise bad(f"grammar_compile_timeout must be a number of seconds > 0 or None, got {self.grammar_compile_timeout!r}")
         if self.grammar_backend not in ("xgrammar", "llguidance", "outlines"):
             raise bad(f"grammar_backend must be 'xgrammar', 'llguidance' or 'outlines', got {self.grammar_backend!r}")
 

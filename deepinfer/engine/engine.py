@@ -98,12 +98,14 @@ class Engine:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.vocab_size = self.model_config.vocab_size
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            cfg.grammar_backend, cfg.grammar_fallback, self.stats)
+                                            cfg.grammar_backend, cfg.grammar_fallback, self.stats,
+                                            cfg.grammar_compile_timeout)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, cfg.seed, self.structured)
         self.step_sampler = StepSampler(Sampler(), self.structured, self.eos_token_ids, self.stats)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len, self.structured, self.kv, self.stats)
         self.speculator = self._make_speculator() if cfg.speculative else None
         self._seqs: dict[str, Sequence] = {}
+        self._compiling: list[Sequence] = []  # waiting for their grammar (compiled in a thread pool)
         self._aborted: list[Sequence] = []  # finished by abort(), reported by the next step()
         self._pending_outputs: list[RequestOutput] = []
         self._inflight: Step | None = None  # the forward pass running in the worker (overlap mode)
@@ -159,9 +161,17 @@ class Engine:
             request_id = f"req-{self.inputs.next_arrival()}"
         elif request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        seq = self.inputs.new_sequence(request_id, ids, params)  # raises GrammarError before queueing
+        # A grammar not compiled yet: on an idle engine compile it now (a compile error raises here,
+        # as for any bad input); while other requests are queued or running, compile it in the
+        # grammar thread pool and queue the request when it is ready (or finish it with the
+        # compile's error), so a slow schema (seconds, for some) never stalls their steps.
+        busy = self.scheduler.has_unfinished() or bool(self._compiling) or self._inflight is not None
+        seq = self.inputs.new_sequence(request_id, ids, params, grammar_wait=0.0 if busy else None)
         self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if seq.grammar_pending is not None:
+            self._compiling.append(seq)
+        else:
+            self.scheduler.add(seq)
         self.stats.num_requests += 1
         self.stats.prompt_tokens += len(ids)
         return request_id
@@ -207,14 +217,23 @@ class Engine:
         seq = self._seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
+        if seq in self._compiling:
+            self._compiling.remove(seq)
+            seq.grammar_pending = None  # its compile finishes in the pool and stays cached
         self.outputs.finish(seq, "abort")
         self._release_finished()
         self._aborted.append(seq)
         return True
 
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile (they join the batch when it is ready)."""
+        return len(self._compiling)
+
     def has_unfinished(self) -> bool:
         return (
             self.scheduler.has_unfinished()
+            or bool(self._compiling)
             or bool(self._aborted)
             or bool(self._pending_outputs)
             or self._inflight is not None
@@ -234,6 +253,8 @@ class Engine:
             for s in self._aborted:
                 self._seqs.pop(s.request_id, None)
             self._aborted = []
+        if self._compiling:
+            outputs += self._admit_compiled()
         if not self.config.overlap_schedule:
             if self.speculator is not None or self.config.jump_forward:
                 self._propose_drafts()
@@ -269,6 +290,31 @@ class Engine:
             # plan step N+1 while step N runs; a plan that would need a preemption is left for later
             nxt = self._schedule(allow_preempt=False)
             self._next = nxt if nxt is not None and not nxt.empty else None
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the sequences whose grammar finished compiling; a failed compile finishes its
+        request with the error. With nothing else to run, wait a little for one instead of spinning."""
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait([s.grammar_pending for s in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        outputs, still = [], []
+        for seq in self._compiling:
+            if not seq.grammar_pending.done():
+                still.append(seq)
+                continue
+            try:
+                self.structured.finish_attach(seq)
+            except Exception as e:  # GrammarError (or a timeout past compile_timeout): this request's error
+                seq.error = f"{type(e).__name__}: {e}"
+                self.outputs.finish(seq, "error")
+                self._release_finished()
+                self._seqs.pop(seq.request_id, None)
+                outputs.append(self.outputs.make_output(seq))
+                continue
+            self.scheduler.add(seq)
+        self._compiling = still
         return outputs
 
     def _propose_drafts(self) -> None:

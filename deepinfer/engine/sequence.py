@@ -38,6 +38,7 @@ class Sequence:
     matcher: Any = None  # grammar matcher (deepinfer.grammar), None when unconstrained
     grammar_backend: str | None = None
     grammar: Any = None  # the CompiledGrammar behind matcher (exactness, validation at finish)
+    grammar_pending: Any = None  # Future of its grammar while it compiles off the step loop
     valid: bool | None = None  # JSON-schema output validated at finish (None: not checked)
     violation: str | None = None  # the first reason it is not valid
     detok: Any = None  # IncrementalDetokenizer

@@ -21,12 +21,13 @@ from deepinfer.engine.stats import EngineStats
 
 class StructuredOutputs:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], backend: str, fallback: bool,
-                 stats: EngineStats):
+                 stats: EngineStats, compile_timeout: float | None = 60.0):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.backend = backend
         self.fallback = fallback
+        self.compile_timeout = compile_timeout
         self.stats = stats
         self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
 
@@ -34,8 +35,15 @@ class StructuredOutputs:
     def token_bytes(self) -> list[bytes | None]:
         return self._compiler.token_bytes
 
-    def attach(self, seq: Sequence, params: SamplingParams) -> None:
-        """Give seq a matcher for its constraint (if any). Raises GrammarError for an invalid spec."""
+    def attach(self, seq: Sequence, params: SamplingParams, wait: float | None = None) -> None:
+        """Give seq a matcher for its constraint (if any). Raises GrammarError for an invalid spec.
+
+        A spec compiled before attaches at once. Otherwise it compiles in the compiler's thread
+        pool and this waits up to `wait` seconds (None: until done); a compile still running then
+        leaves `seq.grammar_pending` set, and the engine holds the sequence back until
+        `finish_attach` (so a slow schema never stalls the other requests' steps)."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         from deepinfer.grammar import GrammarCompiler, spec_from_params
 
         p = params
@@ -48,8 +56,26 @@ class StructuredOutputs:
         if self._compiler is None:
             self._compiler = GrammarCompiler(
                 self.tokenizer.hf, self.vocab_size, self.eos_token_ids, backend=self.backend, fallback=self.fallback,
+                compile_timeout=self.compile_timeout,
             )
-        compiled, backend = self._compiler.compile(spec)
+        if wait is None or self._compiler.is_cached(spec):
+            self._bind(seq, *self._compiler.compile(spec))
+            return
+        future = self._compiler.compile_async(spec)
+        try:
+            result = future.result(timeout=wait)
+        except FutureTimeout:
+            seq.grammar_pending = future
+            return
+        self._bind(seq, *result)
+
+    def finish_attach(self, seq: Sequence) -> None:
+        """Bind the grammar a sequence waited for (its compile is done). Raises its GrammarError."""
+        future, seq.grammar_pending = seq.grammar_pending, None
+        self._bind(seq, *future.result())
+
+    @staticmethod
+    def _bind(seq: Sequence, compiled, backend: str) -> None:
         seq.matcher = compiled.new_matcher()
         seq.grammar_backend = backend
         seq.grammar = compiled

@@ -274,6 +274,13 @@ class GrammarCompiler:
             raise box["error"]  # type: ignore[misc]
         return box["result"]  # type: ignore[return-value]
 
+    def is_cached(self, spec: GrammarSpec | object) -> bool:
+        """Whether compile(spec) would return (or raise) at once: its compilation has finished."""
+        spec = spec_of(spec)
+        with self._lock:
+            pending = self._cache.get(spec)
+        return pending is not None and pending.done.is_set()
+
     def compile_async(self, spec: GrammarSpec | object):
         """A concurrent.futures.Future of compile(spec), run in this compiler's thread pool, so a
         caller (the engine's step loop) can keep going while distinct specs compile."""
