@@ -359,6 +359,8 @@ class Engine:
 
     def _process(self, st: Step, samples) -> list[RequestOutput]:
         """Accepted tokens in, finished sequences released, one output per sequence that progressed."""
+        if self.speculator is not None:
+            self.speculator.observe_forward(st.num_tokens, st.forward_s)
         for e, toks in zip(st.entries, samples.accepted):
             if e.drafts and toks:
                 if e.seq.draft_key == FORCED_KEY:
@@ -425,6 +427,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (only this thread waits) so the times are real
         t1 = time.perf_counter()
+        st.forward_s = t1 - t0
         self.stats.record_forward(t0, t1)
 
     def _wait(self, st: Step) -> None:

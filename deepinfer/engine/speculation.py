@@ -9,11 +9,19 @@ model of a forward pass over T tokens measured when the engine starts. At batch 
 bandwidth-bound CPU a few more tokens cost almost nothing, so every likely draft is verified; at
 large batches the forward is compute-bound, each slot costs its share, and only near-certain drafts
 are (no user flag needed for that).
+
+Two corrections keep it from costing time where it cannot pay (the 0.97x floor): the cost model
+is refreshed online from the forward passes the engine actually runs (a start-up measurement in
+one shape misjudged later steps by 10-30% here), and drafting itself (host time, ~10 us per
+sequence) backs off: a step whose admitted drafts are not expected to save more time than
+proposing them took (on average over recent rounds) is followed by 1, 2, 4 .. 16 steps that
+propose nothing.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from deepinfer.engine.drafter import NgramDrafter
@@ -24,6 +32,8 @@ PRIOR_WEIGHT = 4.0
 # a slot counts for this share of its survival probability when it is weighed against its cost:
 # confidences are estimates and forward times noisy, so a slot that merely breaks even is left out
 DISCOUNT = 0.95
+EMA = 0.2  # weight of the newest observation in the online corrections
+MAX_BACKOFF = 16  # most steps drafting is paused for after a step where it did not pay
 
 
 class ForwardCost:
@@ -39,14 +49,27 @@ class ForwardCost:
         self.s = []
         for _, s in pts:
             self.s.append(max(s, self.s[-1]) if self.s else s)
+        self.scale = 1.0  # observed / modelled time of the forwards run since (EMA)
 
     def __call__(self, T: int) -> float:
+        return self.scale * self._measured(T)
+
+    def _measured(self, T: int) -> float:
         i = bisect.bisect_left(self.T, T)
         if i < len(self.T) and self.T[i] == T:
             return self.s[i]
         i = min(max(i, 1), len(self.T) - 1)
         t0, t1, s0, s1 = self.T[i - 1], self.T[i], self.s[i - 1], self.s[i]
         return max(s0 + (s1 - s0) * (T - t0) / (t1 - t0), 1e-9)
+
+    def observe(self, T: int, seconds: float) -> None:
+        """A forward over T query tokens took `seconds`: rescale the model towards it. One factor
+        for all sizes, so the shape of the start-up curve (what one more token costs relative to
+        the step) is kept while its level follows the machine (load, warm caches, turbo)."""
+        if T < 1 or not seconds > 0:
+            return
+        ratio = min(max(seconds / self._measured(T), 0.25), 4.0)  # one stalled step must not swing it
+        self.scale += EMA * (ratio - self.scale)
 
 
 class DraftConfidence:
@@ -76,6 +99,13 @@ class DraftConfidence:
 def choose_lengths(survival: list[list[float]], base_tokens: int, base_gain: float, cost: ForwardCost) -> list[int]:
     """How many drafts of each sequence to verify: admit (sequence, position) slots by survival
     probability, keeping the count that maximises expected tokens gained per second."""
+    return _choose(survival, base_tokens, base_gain, cost)[0]
+
+
+def _choose(survival: list[list[float]], base_tokens: int, base_gain: float,
+            cost: ForwardCost) -> tuple[list[int], float]:
+    """(lengths, expected seconds saved by them): the time the step's expected tokens would take
+    at the no-draft rate, minus the time the step with the drafts takes."""
     slots = sorted(((-p, j, i) for i, ps in enumerate(survival) for j, p in enumerate(ps)))
     gain, T = base_gain, base_tokens
     best_rate = gain / cost(T) if T else 0.0
@@ -89,7 +119,11 @@ def choose_lengths(survival: list[list[float]], base_tokens: int, base_gain: flo
     lengths = [0] * len(survival)
     for _, _, i in slots[:best_n]:
         lengths[i] += 1
-    return lengths
+    saved = 0.0
+    if best_n and base_gain > 0 and base_tokens:
+        gain = base_gain - sum(neg_p for neg_p, _, _ in slots[:best_n]) * DISCOUNT
+        saved = gain * cost(base_tokens) / base_gain - cost(base_tokens + best_n)
+    return lengths, saved
 
 
 @dataclass
@@ -107,23 +141,34 @@ class Speculator:
         self.drafter = drafter
         self.cost = cost  # None: verify every proposed draft (no budget)
         self.confidence = DraftConfidence(drafter.max_draft)
+        self.propose_s = 0.0  # host seconds one round of drafting takes (EMA)
+        self.saved_s = 0.0  # seconds one round's admitted drafts are expected to save (EMA, zeros incl.)
+        self._backoff = 0  # steps drafting pauses for after the next one that does not pay
+        self._skip = 0  # steps left in the current pause
+        self.paused_steps = 0  # steps that proposed nothing because of a pause (stats)
 
     def propose(self, seqs: list[tuple[Sequence, int]], base_tokens: int, base_gain: float) -> VerifyPlan:
         """seqs: (decoding sequence, most drafts it may take); base_tokens / base_gain: the step's query
         tokens and the tokens it yields without drafts. Sets seq.draft_token_ids (and the key its
         acceptance is learned under) for the next step."""
+        if self._skip > 0:
+            self._skip -= 1
+            self.paused_steps += 1
+            return VerifyPlan()
+        t0 = time.perf_counter()
         drafted: list[tuple[Sequence, list[int], tuple]] = []
         for seq, room in seqs:
             tokens, key = self.drafter.propose_keyed(seq.all_token_ids, room)
             if tokens:
                 drafted.append((seq, tokens, key))
         plan = VerifyPlan(proposed=sum(len(t) for _, t, _ in drafted))
-        if not drafted:
-            return plan
         if self.cost is None:
             for seq, tokens, key in drafted:
                 seq.draft_token_ids, seq.draft_key = tokens, key
             plan.admitted = plan.proposed
+            return plan
+        if not drafted:
+            self._pace(0.0, t0)
             return plan
         survival = []
         for _, tokens, key in drafted:
@@ -132,12 +177,29 @@ class Speculator:
                 p *= c
                 ps.append(p)
             survival.append(ps)
-        lengths = choose_lengths(survival, base_tokens, base_gain, self.cost)
+        lengths, saved = _choose(survival, base_tokens, base_gain, self.cost)
         for (seq, tokens, key), k in zip(drafted, lengths):
             seq.draft_token_ids = tokens[:k]
             seq.draft_key = key
             plan.admitted += k
+        self._pace(saved, t0)
         return plan
+
+    def _pace(self, saved: float, t0: float) -> None:
+        """Back off drafting while a round of it saves less, on average, than it costs (at batch 1 a
+        round costs ~20 us against a 30 ms step, so it never pauses there)."""
+        self.propose_s += EMA * (time.perf_counter() - t0 - self.propose_s)
+        self.saved_s += EMA * (saved - self.saved_s)
+        if self.saved_s > self.propose_s:
+            self._backoff = 0
+        else:
+            self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
+            self._skip = self._backoff
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        """A forward pass over num_tokens query tokens took `seconds` (refreshes the cost model)."""
+        if self.cost is not None:
+            self.cost.observe(num_tokens, seconds)
 
     def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
         if seq.draft_key is not None:

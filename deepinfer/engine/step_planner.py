@@ -49,6 +49,12 @@ class Step:
     seqs: set = field(default_factory=set)  # id() of the sequences in this batch
     future: Any = None
     logits: Any = None  # [R, V] once the forward pass is done
+    forward_s: float = 0.0  # seconds its forward pass took
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens of the step (prompt chunks, decodes and drafts)."""
+        return sum(e.num_tokens for e in self.entries)
 
 
 def plan_step(sched: SchedulerOutput, step_id: int, block_size: int, kv: KVCacheManager,

@@ -67,3 +67,33 @@ def test_speculator_sizes_and_learns():
         spec.observe(seq, 4, 0)  # nothing is ever accepted: confidence collapses
     plan = spec.propose([(seq, 4)], base_tokens=1, base_gain=1.0)
     assert plan.proposed == 4 and plan.admitted == 0 and seq.draft_token_ids == []
+
+
+def test_cost_model_follows_observed_forwards():
+    c = ForwardCost([(1, 1.0), (64, 2.0)])
+    for _ in range(40):
+        c.observe(32, 3.0)  # the machine now runs 2x slower than at start-up
+    assert abs(c(32) - 3.0) < 0.05 and abs(c(1) / c(64) - 0.5) < 1e-9  # level follows, shape kept
+    c.observe(32, 1000.0)  # one stalled step moves it boundedly
+    assert c(32) < 3.0 * 1.7
+
+
+def test_drafting_backs_off_while_it_does_not_pay():
+    # a compute-bound cost curve (each token costs its share) and drafts that never get accepted
+    spec = Speculator(NgramDrafter(4), ForwardCost([(1, 0.01), (1024, 10.24)]))
+    seqs = [(_seq([5, 6, 7, 8, 9, 5, 6, 7]), 4) for _ in range(64)]
+    for s, _ in seqs:
+        for _ in range(50):
+            spec.observe(s, 4, 0)
+    proposing = [spec.propose(seqs, base_tokens=64, base_gain=64.0).proposed > 0 for _ in range(64)]
+    # pauses double up to MAX_BACKOFF: far fewer drafting rounds than steps, but never none
+    assert 2 <= sum(proposing) <= 10 and spec.paused_steps == proposing.count(False)
+
+
+def test_drafting_never_pauses_where_it_pays():
+    spec = Speculator(NgramDrafter(4), ForwardCost([(1, 0.03), (64, 0.031)]))  # batch 1, bandwidth-bound
+    seq = _seq([5, 6, 7, 8, 9, 5, 6, 7])
+    for _ in range(20):
+        spec.observe(seq, 4, 4)
+    assert all(spec.propose([(seq, 4)], base_tokens=1, base_gain=1.0).admitted == 4 for _ in range(30))
+    assert spec.paused_steps == 0
