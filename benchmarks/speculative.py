@@ -11,6 +11,7 @@ Both engines are greedy and give identical outputs (checked here on every run). 
 best of --repeats runs, on and off alternating, so both see the same host conditions.
 
     python benchmarks/speculative.py [--batches 1 8 32 128] [--max-tokens 96] [--repeats 2]
+        [--method ngram|draft] [--draft-layers N]
 """
 
 from __future__ import annotations
@@ -76,14 +77,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--draft", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--workloads", nargs="+", default=["grounded", "json", "chat"])
+    ap.add_argument("--method", choices=["ngram", "draft"], default="ngram",
+                    help="drafter: prompt lookup, or self-drafting with the first --draft-layers layers")
+    ap.add_argument("--draft-layers", type=int, default=None)
     args = ap.parse_args()
 
     common = dict(kv_cache_memory=1 << 30, jump_forward=False)
     off = Engine(**common)
-    on = Engine(speculative="ngram", num_speculative_tokens=args.draft, **common)
+    extra_on = {"draft_layers": args.draft_layers} if args.method == "draft" else {}
+    on = Engine(speculative=args.method, num_speculative_tokens=args.draft, **extra_on, **common)
     for e in (off, on):
         e.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
-    print(f"max_tokens={args.max_tokens}  drafts<={args.draft}  best of {args.repeats}")
+    print(f"method={args.method}  max_tokens={args.max_tokens}  drafts<={args.draft}  best of {args.repeats}")
     print(f"{'workload':>9} {'batch':>6} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>9} {'acc.len':>8} {'drafts/step':>12}")
     worst = None
     for name in args.workloads:

@@ -39,8 +39,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--field", metavar="NAME", help="pass each whole line as the one argument NAME")
     run.add_argument("--model", "-m", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
     run.add_argument("--kv-cache-memory", type=int, default=None, metavar="MIB", help="KV cache size in MiB")
-    run.add_argument("--speculative", choices=["ngram"], default=None,
-                     help="speculative decoding: 'ngram' drafts from the record's own text (exact: same output)")
+    run.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                     help="speculative decoding (exact: same output): 'ngram' drafts from the record's own text, "
+                          "'draft' from the model's own first layers")
     run.add_argument("--batch-size", "-b", type=int, default=64, help="programs in flight at once (default 64)")
     for name, typ in _SAMPLING_OPTIONS.items():
         run.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"default {name} of every gen")

@@ -44,8 +44,11 @@ class EngineConfig:
     # speculative decoding: "ngram" (prompt lookup: drafts copied from earlier in the sequence) or
     # None. Drafts are verified exactly (outputs identical with it on or off); it runs in the
     # synchronous loop; sequences under a grammar with jump_forward on get the grammar's drafts.
+    # "draft": self-drafting, the model's first `draft_layers` layers + its head (draft_model.py)
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens verified per sequence per step
+    draft_layers: int | None = None  # speculative="draft": early-exit depth (None: a quarter of the layers)
+    draft_model: str | None = None  # a separate draft checkpoint (not supported yet: self-drafting only)
     # size each step's verification by the drafts' learned confidence and the forward cost measured
     # at start (speculation.py); False verifies every draft the drafter proposes
     speculative_budget: bool = True
@@ -77,10 +80,17 @@ class EngineConfig:
             raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
         if self.kernels not in ("auto", "torch", "tilelang"):
             raise bad(f"kernels must be 'auto', 'torch' or 'tilelang', got {self.kernels!r}")
-        if self.speculative not in (None, "ngram"):
-            if self.speculative in ("draft", "mtp"):
-                raise bad(f"speculative={self.speculative!r} is not available yet; use 'ngram' or None")
-            raise bad(f"speculative must be 'ngram' or None, got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            if self.speculative == "mtp":
+                raise bad("speculative='mtp' is not available yet (it needs a checkpoint with an MTP layer); "
+                          "use 'ngram', 'draft' or None")
+            raise bad(f"speculative must be 'ngram', 'draft' or None, got {self.speculative!r}")
+        if self.draft_model is not None:
+            raise bad("draft_model: a separate draft checkpoint is not supported yet; speculative='draft' "
+                      "drafts with the model's own first draft_layers layers")
+        if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
+                                              or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
+            raise bad(f"draft_layers must be an int >= 1 or None, got {self.draft_layers!r}")
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 1:
             raise bad(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")

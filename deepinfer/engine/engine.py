@@ -21,6 +21,7 @@ from deepinfer.engine.admission import error_output, prompt_list, typed_admissio
 from deepinfer.engine.block_allocator import BlockAllocator
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.draft_model import DRAFT_KEY
 from deepinfer.engine.drafter import NgramDrafter, SuffixIndex
 from deepinfer.engine.input_processor import InputProcessor, PromptType
 from deepinfer.engine.model_runner import ModelRunner
@@ -130,6 +131,15 @@ class Engine:
             top = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k), 256))
             sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} | {top})
             cost = ForwardCost(self.runner.measure_forward_cost(sizes))
+        if cfg.speculative == "draft":
+            from deepinfer.engine.draft_model import SelfDrafter
+
+            n = cfg.draft_layers or max(1, self.model_config.num_hidden_layers // 4)
+            try:
+                drafter = SelfDrafter(self.runner, n, k, cfg.block_size)
+            except ValueError as e:
+                raise InvalidRequestError(f"EngineConfig: {e}") from None
+            return Speculator(drafter, cost, drafter.relative_cost() if cost is not None else 0.0)
         return Speculator(NgramDrafter(k, index=SuffixIndex()), cost)
 
     # ---- submission -----------------------------------------------------------------------------
@@ -261,6 +271,9 @@ class Engine:
             sched = self._schedule(allow_preempt=True)
             if sched is None or sched.empty:
                 return outputs + self._nothing_to_run()
+            if self.speculator is not None and hasattr(self.speculator.drafter, "fill"):
+                # model drafts are drawn once their slots are scheduled (draft_model.py)
+                self.speculator.drafter.fill([s.seq for s in sched.scheduled if s.seq.draft_key == DRAFT_KEY])
             st = self._launch(sched, None, run_async=False)
             return outputs + self._process(st, self.step_sampler.sample(st))
 

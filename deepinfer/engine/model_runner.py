@@ -165,7 +165,8 @@ class ModelRunner:
         bs = self.block_size
         self.kv_cache[:, :, dst_block * bs : dst_block * bs + n] = self.kv_cache[:, :, src_block * bs : src_block * bs + n]
 
-    def measure_forward_cost(self, sizes: list[int], repeats: int = 1) -> list[tuple[int, float]]:
+    def measure_forward_cost(self, sizes: list[int], repeats: int = 1,
+                             num_layers: int | None = None) -> list[tuple[int, float]]:
         """(T, seconds) of a decode-shaped forward pass over T query tokens with logits for every row,
         best of `repeats`: the cost model of speculative verification. Call before any request runs:
         the scratch tokens write their KV into the first blocks, which are free then."""
@@ -182,7 +183,7 @@ class ModelRunner:
             best = float("inf")
             for _ in range(1 + repeats):  # the first run includes first-use costs of this shape
                 t0 = time.perf_counter()
-                self.forward(prepared)
+                self.forward(prepared, num_layers=num_layers)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 best = min(best, time.perf_counter() - t0)
@@ -237,21 +238,26 @@ class ModelRunner:
         return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows)
 
     @torch.inference_mode()
-    def forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None,
+                num_layers: int | None = None) -> torch.Tensor:
         """Run the model over a prepared batch; returns the logits [R, V] of its logit rows.
-        Placeholder ids are filled from prev_tokens first."""
+        Placeholder ids are filled from prev_tokens first. num_layers: run only the first that many
+        decoder layers, then the final norm and head (an early exit: self-drafting)."""
         import deepinfer_kernels as K
 
         with K.use_backend(self.kernels):  # (a context variable: set in the thread that runs this)
-            return self._forward(batch, prev_tokens)
+            return self._forward(batch, prev_tokens, num_layers)
 
-    def _forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None,
+                 num_layers: int | None = None) -> torch.Tensor:
         dev = self.device
         ids = batch.input_ids.to(dev, non_blocking=True)
         if prev_tokens is not None:
             ph = ids < 0
             ids = torch.where(ph, prev_tokens.to(dev)[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
-        hidden = self.model(ids, batch.positions.to(dev), batch.ctx, self.kv_caches)
+        # the model runs one layer per KV cache it is given (zip): fewer caches, fewer layers
+        kv = self.kv_caches if num_layers is None else self.kv_caches[:num_layers]
+        hidden = self.model(ids, batch.positions.to(dev), batch.ctx, kv)
         if batch.logit_rows.numel():
             sel = hidden.index_select(0, batch.logit_rows.to(dev))
             return self.model.compute_logits(sel, batch.ctx)

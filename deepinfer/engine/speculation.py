@@ -24,7 +24,6 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from deepinfer.engine.drafter import NgramDrafter
 from deepinfer.engine.sequence import Sequence
 
 PRIOR_ACCEPT = 0.5
@@ -96,33 +95,42 @@ class DraftConfidence:
             hits[j] += j < accepted
 
 
-def choose_lengths(survival: list[list[float]], base_tokens: int, base_gain: float, cost: ForwardCost) -> list[int]:
+def choose_lengths(survival: list[list[float]], base_tokens: int, base_gain: float, cost: ForwardCost,
+                   draft_frac: float = 0.0) -> list[int]:
     """How many drafts of each sequence to verify: admit (sequence, position) slots by survival
-    probability, keeping the count that maximises expected tokens gained per second."""
-    return _choose(survival, base_tokens, base_gain, cost)[0]
+    probability, keeping the count that maximises expected tokens gained per second.
+    draft_frac: drafts made by a model pass (self-drafting) cost a pass per draft position over the
+    sequences drafting that far, each `draft_frac` of a full forward of that size."""
+    return _choose(survival, base_tokens, base_gain, cost, draft_frac)[0]
 
 
 def _choose(survival: list[list[float]], base_tokens: int, base_gain: float,
-            cost: ForwardCost) -> tuple[list[int], float]:
+            cost: ForwardCost, draft_frac: float = 0.0) -> tuple[list[int], float]:
     """(lengths, expected seconds saved by them): the time the step's expected tokens would take
     at the no-draft rate, minus the time the step with the drafts takes."""
     slots = sorted(((-p, j, i) for i, ps in enumerate(survival) for j, p in enumerate(ps)))
     gain, T = base_gain, base_tokens
     best_rate = gain / cost(T) if T else 0.0
     best_n = 0
-    for n, (neg_p, _, _) in enumerate(slots, 1):
+    extra = best_extra = 0.0  # seconds of draft passes
+    at_pos: dict[int, int] = {}  # draft position -> sequences drafting that far
+    for n, (neg_p, j, _) in enumerate(slots, 1):
         gain -= neg_p * DISCOUNT
         T += 1
-        rate = gain / cost(T)
+        if draft_frac:
+            m = at_pos.get(j, 0)
+            extra += draft_frac * (cost(m + 1) - (cost(m) if m else 0.0))
+            at_pos[j] = m + 1
+        rate = gain / (cost(T) + extra)
         if rate > best_rate:
-            best_rate, best_n = rate, n
+            best_rate, best_n, best_extra = rate, n, extra
     lengths = [0] * len(survival)
     for _, _, i in slots[:best_n]:
         lengths[i] += 1
     saved = 0.0
     if best_n and base_gain > 0 and base_tokens:
         gain = base_gain - sum(neg_p for neg_p, _, _ in slots[:best_n]) * DISCOUNT
-        saved = gain * cost(base_tokens) / base_gain - cost(base_tokens + best_n)
+        saved = gain * cost(base_tokens) / base_gain - cost(base_tokens + best_n) - best_extra
     return lengths, saved
 
 
@@ -137,9 +145,10 @@ class VerifyPlan:
 class Speculator:
     """Proposes drafts for decoding sequences, sizes their verification, and learns from results."""
 
-    def __init__(self, drafter: NgramDrafter, cost: ForwardCost | None):
-        self.drafter = drafter
+    def __init__(self, drafter, cost: ForwardCost | None, draft_frac: float = 0.0):
+        self.drafter = drafter  # NgramDrafter or draft_model.SelfDrafter (propose_keyed, max_draft, index)
         self.cost = cost  # None: verify every proposed draft (no budget)
+        self.draft_frac = draft_frac  # cost of a draft pass / a full forward (0: drafts are free)
         self.confidence = DraftConfidence(drafter.max_draft)
         self.propose_s = 0.0  # host seconds one round of drafting takes (EMA)
         self.saved_s = 0.0  # seconds one round's admitted drafts are expected to save (EMA, zeros incl.)
@@ -177,7 +186,7 @@ class Speculator:
                 p *= c
                 ps.append(p)
             survival.append(ps)
-        lengths, saved = _choose(survival, base_tokens, base_gain, self.cost)
+        lengths, saved = _choose(survival, base_tokens, base_gain, self.cost, self.draft_frac)
         for (seq, tokens, key), k in zip(drafted, lengths):
             seq.draft_token_ids = tokens[:k]
             seq.draft_key = key
