@@ -8,6 +8,8 @@ spec wait for a single compilation; different specs compile in parallel.
 
 from __future__ import annotations
 
+import json
+
 import threading
 from collections import Counter
 from typing import Callable, Mapping
@@ -19,6 +21,7 @@ from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
 from deepinfer.grammar.bitmask import allocate_token_bitmask
 from deepinfer.grammar.emptiness import regex_is_empty
 from deepinfer.grammar.exactness import check_spec, diagnostics_keywords, schema_of, table_approximated
+from deepinfer.grammar.formats import lower_formats
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
@@ -206,6 +209,12 @@ class GrammarCompiler:
                 self.stats["invalid_specs"] += 1
             raise
         schema = schema_of(spec)
+        target = spec  # what the backends compile: formats lowered to exact patterns (formats.py)
+        if schema is not None:
+            lowered = lower_formats(schema)
+            if lowered is not schema:
+                schema = lowered
+                target = GrammarSpec(spec.kind, json.dumps(lowered, sort_keys=True))
         errors: list[str] = []
         best: tuple[CompiledGrammar, str, int] | None = None
         for i, name in enumerate(self._order()):
@@ -216,7 +225,8 @@ class GrammarCompiler:
                 be = self.get_backend(name)
                 with self._lock:
                     self.stats["compiles"] += 1
-                compiled = self._limited(be, spec)
+                compiled = self._limited(be, target)
+                compiled.spec = spec  # the user's spec: validation at finish checks against it
                 compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
                 check_nonempty(compiled, self.vocab.vocab_size)
             except InvalidSpecError:

@@ -35,7 +35,8 @@ VALIDATION_KEYWORDS = frozenset({
 })
 
 # Formats each backend's grammar enforces at least as strictly as jsonschema's FormatChecker.
-# Not "date"/"date-time" (the grammars accept 2024-02-30) nor the IP formats (leading zeros).
+# Not "date"/"date-time" (the grammars accept 2024-02-30) nor the IP formats (leading zeros);
+# "date" is lowered to an exact pattern before any backend sees it (formats.py).
 EXACT_FORMATS = frozenset({"email", "uuid"})
 
 _COMMON_EXACT = frozenset({
