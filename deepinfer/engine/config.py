@@ -39,11 +39,14 @@ class EngineConfig:
     grammar_compile_timeout: float | None = 60.0
     # verify the grammar's forced continuation (e.g. a JSON key) as draft tokens: one forward pass
     # for the whole run instead of one per token, and the output is what it would be without it
-    # (in the synchronous loop; the overlapped loop decodes forced text token by token)
+    # (in the synchronous loop, or the overlapped one while speculation drafts; otherwise the
+    # overlapped loop decodes forced text token by token)
     jump_forward: bool = True
     # speculative decoding: "ngram" (prompt lookup: drafts copied from earlier in the sequence) or
-    # None. Drafts are verified exactly (outputs identical with it on or off); it runs in the
-    # synchronous loop; sequences under a grammar with jump_forward on get the grammar's drafts.
+    # None. Drafts are verified exactly (outputs identical with it on or off); sequences under a
+    # grammar with jump_forward on get the grammar's drafts. With overlap_schedule, a step that
+    # verifies drafts is planned after the step before it (drafts need its tokens); while drafting
+    # is paused (it does not pay, speculation.py) the loop overlaps as without speculation.
     # "draft": self-drafting, the model's first `draft_layers` layers + its head (draft_model.py)
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens verified per sequence per step
@@ -94,8 +97,6 @@ class EngineConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 1:
             raise bad(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
-        if self.speculative is not None and self.overlap_schedule:
-            raise bad("speculative decoding runs in the synchronous loop: set overlap_schedule=False")
         if self.grammar_compile_timeout is not None and not (
             isinstance(self.grammar_compile_timeout, (int, float)) and not isinstance(self.grammar_compile_timeout, bool)
             and self.grammar_compile_timeout > 0

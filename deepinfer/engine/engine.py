@@ -271,9 +271,7 @@ class Engine:
             sched = self._schedule(allow_preempt=True)
             if sched is None or sched.empty:
                 return outputs + self._nothing_to_run()
-            if self.speculator is not None and hasattr(self.speculator.drafter, "fill"):
-                # model drafts are drawn once their slots are scheduled (draft_model.py)
-                self.speculator.drafter.fill([s.seq for s in sched.scheduled if s.seq.draft_key == DRAFT_KEY])
+            self._fill_model_drafts(sched)
             st = self._launch(sched, None, run_async=False)
             return outputs + self._process(st, self.step_sampler.sample(st))
 
@@ -284,13 +282,17 @@ class Engine:
             self._wait(done)
             samples = self.step_sampler.sample(done)
         if self._next is None:
-            # nothing planned during the last forward (first step, or it needed a preemption)
+            # nothing planned during the last forward (first step, a preemption, or drafting: drafts
+            # need the tokens of the step before, so a step that verifies drafts is planned here)
             if done is not None:
                 outputs += self._process(done, samples)
                 done = None
+            if self.speculator is not None:
+                self._propose_drafts()
             sched = self._schedule(allow_preempt=True)
             if sched is None or sched.empty:
                 return outputs + self._nothing_to_run()
+            self._fill_model_drafts(sched)
             self._next = sched
         nxt, self._next = self._next, None
         nxt.scheduled = [s for s in nxt.scheduled if not s.seq.is_finished]
@@ -299,11 +301,19 @@ class Engine:
             self._inflight = self._launch(nxt, prev, run_async=True)
         if done is not None:
             outputs += self._process(done, samples)
-        if self._inflight is not None:
-            # plan step N+1 while step N runs; a plan that would need a preemption is left for later
+        if self._inflight is not None and (self.speculator is None or self.speculator.paused):
+            # plan step N+1 while step N runs; a plan that would need a preemption is left for later.
+            # (While speculation drafts, the next step waits for this one's tokens instead.)
+            if self.speculator is not None:
+                self.speculator.skip_step()
             nxt = self._schedule(allow_preempt=False)
             self._next = nxt if nxt is not None and not nxt.empty else None
         return outputs
+
+    def _fill_model_drafts(self, sched) -> None:
+        """Model drafts (speculative="draft") are drawn once their KV slots are scheduled."""
+        if self.speculator is not None and hasattr(self.speculator.drafter, "fill"):
+            self.speculator.drafter.fill([s.seq for s in sched.scheduled if s.seq.draft_key == DRAFT_KEY])
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the sequences whose grammar finished compiling; a failed compile finishes its

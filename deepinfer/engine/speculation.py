@@ -161,8 +161,7 @@ class Speculator:
         tokens and the tokens it yields without drafts. Sets seq.draft_token_ids (and the key its
         acceptance is learned under) for the next step."""
         if self._skip > 0:
-            self._skip -= 1
-            self.paused_steps += 1
+            self.skip_step()
             return VerifyPlan()
         t0 = time.perf_counter()
         drafted: list[tuple[Sequence, list[int], tuple]] = []
@@ -193,6 +192,16 @@ class Speculator:
             plan.admitted += k
         self._pace(saved, t0)
         return plan
+
+    @property
+    def paused(self) -> bool:
+        """Drafting is paused for the next step (the overlapped loop may plan it ahead)."""
+        return self._skip > 0
+
+    def skip_step(self) -> None:
+        """A step that drafts nothing because drafting is paused."""
+        self._skip -= 1
+        self.paused_steps += 1
 
     def _pace(self, saved: float, t0: float) -> None:
         """Back off drafting while a round of it saves less, on average, than it costs (at batch 1 a

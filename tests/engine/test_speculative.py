@@ -200,8 +200,6 @@ def test_config_errors(llama):
         Engine(llama, kv_cache_memory=8 << 20, speculative="mtp")
     with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
         Engine(llama, kv_cache_memory=8 << 20, speculative="ngram", num_speculative_tokens=0)
-    with pytest.raises(InvalidRequestError, match="overlap_schedule"):
-        Engine(llama, kv_cache_memory=8 << 20, speculative="ngram", overlap_schedule=True)
 
 
 def test_jump_forward_is_verified_and_changes_no_output(llama):
@@ -278,3 +276,33 @@ def test_a_failing_grammar_fails_only_its_request(llama, where):
     assert done[bad].finish_reason == "error" and "matcher exploded" in done[bad].error
     assert done[good].token_ids == alone.token_ids and done[good].finish_reason == alone.finish_reason
     assert_all_blocks_free(eng)
+
+
+@pytest.mark.parametrize("budget", [False, True])
+def test_overlap_schedule_with_speculation(llama, budget):
+    """The overlapped loop verifies drafts (planning such a step after its predecessor's tokens are
+    known) and overlaps while drafting is paused: outputs identical to plain decoding either way."""
+    base = dict(kv_cache_memory=8 << 20, block_size=4)
+    plain = Engine(llama, **base)
+    over = Engine(llama, speculative="ngram", speculative_budget=budget, overlap_schedule=True, **base)
+    prompts = random_prompts(8, seed=11)
+    sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
+    sps += [SamplingParams(temperature=0.05, seed=5, max_tokens=40, ignore_eos=True, stop=["e"]),
+            SamplingParams(temperature=0, max_tokens=30, regex=r"(ab|cd)+[0-9]{2,9}")]
+    a, b = plain.generate(prompts, sps), over.generate(prompts, sps)
+    _same(a, b)
+    assert over.stats.accepted_draft_tokens > 0
+    assert_all_blocks_free(over)
+
+
+def test_overlap_loop_plans_ahead_while_drafting_is_paused(llama):
+    """Chat-like prompts with nothing to copy: drafting pauses, and paused steps are planned ahead."""
+    base = dict(kv_cache_memory=8 << 20, block_size=4)
+    over = Engine(llama, speculative="ngram", overlap_schedule=True, **base)
+    plain = Engine(llama, **base)
+    prompts = [[i + 3] for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)  # too short for any draft to pay
+    _same(plain.generate(prompts, sp), over.generate(prompts, sp))
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    _same(plain.generate(prompts, sp), over.generate(prompts, sp))
+    assert over.speculator.paused_steps > 0
