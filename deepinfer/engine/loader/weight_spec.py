@@ -52,6 +52,7 @@ def is_ignorable(name: str, config: ModelConfig) -> bool:
 def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
     """Raise ModelLoadError naming missing, unexpected or wrongly shaped tensors of `source`."""
     shapes = expected_shapes(config)
+    shapes.update(moe_weight_spec.mtp_shapes(config, weights))  # DeepSeek's MTP layers, when shipped
     missing = sorted(set(shapes) - set(weights))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

@@ -265,21 +265,7 @@ class DecoderForCausalLM(nn.Module):
     # ---- weight loading -------------------------------------------------------------------------
     def load_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         """Copy HF-named tensors in, fusing q|k|v and gate|up; raises ModelLoadError on a missing/misshapen one."""
-        cfg = self.config
-
-        def take(name: str) -> torch.Tensor:
-            t = weights.get(name)
-            if t is None:
-                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
-            return t
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str, dtype: torch.dtype = dtype) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ModelLoadError(
-                    f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
-                )
-            param.data = value.to(device=device, dtype=dtype).contiguous()
-
+        take, put = self.weight_loaders(weights, dtype, device)
         put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         if self.lm_head is not None:
             put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
@@ -295,3 +281,23 @@ class DecoderForCausalLM(nn.Module):
                 p + "post_attention_layernorm.weight",
             )
         self.rotary.to(device)
+
+    @staticmethod
+    def weight_loaders(weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        """(take(name), put(param, value, name, dtype=...)): fetch a checkpoint tensor / copy it into a
+        parameter, each raising ModelLoadError naming the tensor."""
+
+        def take(name: str) -> torch.Tensor:
+            t = weights.get(name)
+            if t is None:
+                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+            return t
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str, dtype: torch.dtype = dtype) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
+                )
+            param.data = value.to(device=device, dtype=dtype).contiguous()
+
+        return take, put
