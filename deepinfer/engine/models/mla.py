@@ -81,14 +81,21 @@ class MlaAttention(nn.Module):
             q_pe = deinterleave(q_pe)
         q_full = torch.empty(T, H, self.r + self.rope_dim, dtype=x.dtype, device=x.device)
         q_full[..., self.r :] = self.rotary.apply(q_pe, rope)
-        for h in range(H):
-            q_full[:, h, : self.r] = meta.linear(q[:, h, : self.nope].contiguous(), self.uk_t[h], None)
+        per_head = meta.attention_fn is not None or x.device.type != "cpu"  # batch-invariant mode (or not CPU)
+        if per_head:  # each head through the packed, row-invariant linear
+            for h in range(H):
+                q_full[:, h, : self.r] = meta.linear(q[:, h, : self.nope].contiguous(), self.uk_t[h], None)
+        else:  # one batched GEMM over the heads (2H calls cost 25% of a batch-8 decode step as linears)
+            torch.bmm(q[..., : self.nope].transpose(0, 1), self.uk_stack, out=q_full[..., : self.r].transpose(0, 1))
         cache = kv_cache[0]  # [slots, 1, kv_lora_rank + rope]
         cache.index_copy_(0, meta.slot_mapping, self.latent(x, rope, meta).unsqueeze(1))
         o = paged_attention(q_full, None, None, cache, cache, meta, self.scale)  # [T, H, r + rope]
         out = torch.empty(T, H, self.v_dim, dtype=x.dtype, device=x.device)
-        for h in range(H):
-            out[:, h] = meta.linear(o[:, h, : self.r].contiguous(), self.uv[h], None)
+        if per_head:
+            for h in range(H):
+                out[:, h] = meta.linear(o[:, h, : self.r].contiguous(), self.uv[h], None)
+        else:
+            torch.bmm(o[..., : self.r].transpose(0, 1), self.uv_stack, out=out.transpose(0, 1))
         return meta.linear(out.view(T, H * self.v_dim), self.o_weight, None)
 
     def linear_weights(self) -> list[torch.Tensor]:
@@ -116,3 +123,6 @@ class MlaAttention(nn.Module):
             put(self.uk_t[h], kvb[h, : self.nope].t(), f"{name}[head {h}, k]")
             put(self.uv[h], kvb[h, self.nope :], f"{name}[head {h}, v]")
         put(self.o_weight, take(p + "o_proj.weight"), p + "o_proj.weight")
+        # the same slices stacked for the batched path: [H, nope, r] and [H, r, v]
+        self.uk_stack = torch.stack([w.data.t() for w in self.uk_t])
+        self.uv_stack = torch.stack([w.data.t() for w in self.uv])
