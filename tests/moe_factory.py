@@ -8,7 +8,7 @@ import torch
 
 from model_factory import make_tokenizer_files
 
-MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 def moe_config(arch: str, vocab: int, **over):
@@ -37,6 +37,13 @@ def moe_config(arch: str, vocab: int, **over):
                                        beta_fast=32, beta_slow=1))
         kw.update(over)
         return transformers.DeepseekV3Config(**kw), transformers.DeepseekV3ForCausalLM
+    if arch == "deepseek_v2":
+        kw = dict(common, num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8,
+                  n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                  routed_scaling_factor=2.0, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=16, v_head_dim=24, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+        kw.update(over)
+        return transformers.DeepseekV2Config(**kw), transformers.DeepseekV2ForCausalLM
     raise ValueError(arch)
 
 

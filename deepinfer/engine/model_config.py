@@ -8,7 +8,7 @@ from typing import Any
 from deepinfer.errors import ModelLoadError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-                           "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass

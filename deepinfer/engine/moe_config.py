@@ -12,8 +12,8 @@ from typing import Any
 
 from deepinfer.errors import ModelLoadError
 
-MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class MoeConfigError(ModelLoadError):
@@ -29,8 +29,9 @@ class MoeConfig:
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]  # layer indices whose MLP is the MoE block; the others are dense
     routed_scaling_factor: float = 1.0
-    n_group: int = 1  # group-limited routing: keep the topk_group best groups (scored by top-2 sum)
+    n_group: int = 1  # group-limited routing: keep the topk_group best groups
     topk_group: int = 1
+    group_score: str = "top2_sum"  # a group's score: the sum of its two best (V3) or its best ("max", V2)
     correction_bias: bool = False  # e_score_correction_bias added to the scores for choosing only
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ g) scales the shared expert
@@ -90,6 +91,24 @@ def parse_moe(arch: str, cfg: dict[str, Any], num_layers: int) -> MoeConfig | No
             n_group=_req(cfg, "n_group"), topk_group=_req(cfg, "topk_group"), correction_bias=True,
             shared_intermediate_size=_req(cfg, "moe_intermediate_size") * int(cfg.get("n_shared_experts") or 0),
         )
+    elif arch == "DeepseekV2ForCausalLM":
+        # DeepSeek-V2: softmax scores, greedy or group-limited (a group scores its best expert) top-k,
+        # weights times routed_scaling_factor, never renormalised (transformers' V2 ignores norm_topk_prob)
+        n = _experts(cfg, "n_routed_experts")
+        method = cfg.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise MoeConfigError(f"config.json topk_method {method!r} is not supported for DeepSeek-V2 "
+                                 "(greedy, group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
+        m = MoeConfig(
+            num_experts=n, top_k=_req(cfg, "num_experts_per_tok"),
+            expert_intermediate_size=_req(cfg, "moe_intermediate_size"), scoring="softmax", norm_topk_prob=False,
+            sparse_layers=tuple(range(_req(cfg, "first_k_dense_replace"), num_layers)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            n_group=_req(cfg, "n_group") if grouped else 1, topk_group=_req(cfg, "topk_group") if grouped else 1,
+            group_score="max",
+            shared_intermediate_size=_req(cfg, "moe_intermediate_size") * int(cfg.get("n_shared_experts") or 0),
+        )
     else:
         n = _experts(cfg, "num_experts")
         step = _req(cfg, "decoder_sparse_step") if "decoder_sparse_step" in cfg else 1
@@ -111,7 +130,7 @@ def parse_moe(arch: str, cfg: dict[str, Any], num_layers: int) -> MoeConfig | No
     if m.n_group < 1 or m.num_experts % m.n_group:
         raise MoeConfigError(f"config.json n_group = {m.n_group} must divide the {m.num_experts} experts")
     per_group = m.num_experts // m.n_group
-    if m.n_group > 1 and per_group < 2:
+    if m.n_group > 1 and per_group < 2 and m.group_score == "top2_sum":
         raise MoeConfigError(f"config.json n_group = {m.n_group} leaves fewer than 2 experts per group (groups are scored by their top 2)")
     if not 1 <= m.topk_group <= m.n_group or m.topk_group * per_group < m.top_k:
         raise MoeConfigError(
@@ -145,6 +164,8 @@ def parse_mla(arch: str, cfg: dict[str, Any], rope_scaling: dict[str, Any] | Non
             scale *= m * m
     return MlaConfig(
         q_lora_rank=q_lora, kv_lora_rank=_req(cfg, "kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-        v_head_dim=_req(cfg, "v_head_dim"), rope_interleave=bool(cfg.get("rope_interleave", True)),
+        v_head_dim=_req(cfg, "v_head_dim"),
+        # V2's complex-number rope rotates interleaved pairs, as V3's rope_interleave
+        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
         softmax_scale=scale, num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
     )

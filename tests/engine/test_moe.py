@@ -1,4 +1,4 @@
-"""Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (MoE + latent attention) against transformers, and through
+"""Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3 (MoE + latent attention) against transformers, and through
 the engine's chunked prefill, prefix cache, preemption, batching and batch-invariant mode."""
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def moe_models(tmp_path_factory):
         "qwen3_moe": make_moe_model(root / "qwen3_moe", "qwen3_moe", seed=2),
         "deepseek_v3": make_moe_model(root / "deepseek_v3", "deepseek_v3", seed=3),
         "deepseek_v3_plain": make_moe_model(root / "deepseek_v3_plain", "deepseek_v3", seed=4, **PLAIN_V3),
+        "deepseek_v2": make_moe_model(root / "deepseek_v2", "deepseek_v2", seed=5),
+        "deepseek_v2_greedy": make_moe_model(root / "deepseek_v2_greedy", "deepseek_v2", seed=6, topk_method="greedy",
+                                             q_lora_rank=None),
     }
 
 
@@ -38,7 +41,8 @@ def _prompts(n: int, seed: int, lo: int = 6, hi: int = 24, prefix: str = "") -> 
     return [prefix + " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_plain"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_plain", "deepseek_v2",
+                                  "deepseek_v2_greedy"])
 def test_logits_and_greedy_match_transformers(moe_models, arch):
     path = moe_models[arch]
     eng = Engine(str(path), kv_cache_memory=8 << 20, block_size=4)
@@ -173,6 +177,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     ("qwen3_moe", {"num_local_experts": None}, "num_experts"),
     ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
     ("qwen2_moe", {"hidden_act": "gelu"}, "hidden_act"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
 ])
 def test_bad_moe_config_names_the_field(moe_models, tmp_path, arch, edit, field):
     import shutil

@@ -75,3 +75,8 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         h = m(input_ids, positions, hidden, meta, kv_cache, rope, self.embed_tokens)
         head = m.head if m.head is not None else (self.embed_tokens if self.lm_head is None else self.lm_head)
         return meta.linear(h, head, None).float()
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2: V3's layers with softmax greedy / group-limited routing (engine/moe_config.py),
+    interleaved rope always, no MTP layers."""

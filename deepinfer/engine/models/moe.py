@@ -2,7 +2,9 @@
 grouped GEMM, and their outputs are combined in top-k slot order (plus an optional shared expert).
 
 Routing (engine/moe_config.MoeConfig):
-* softmax (Qwen2/Qwen3-MoE): probs = softmax(x @ gate.T), the top-k, optionally renormalised;
+* softmax (Qwen2/Qwen3-MoE, DeepSeek-V2): probs = softmax(x @ gate.T), the top-k (V2: optionally
+  within the topk_group groups with the best single expert), optionally renormalised, times
+  routed_scaling_factor (V2);
 * sigmoid (DeepSeek-V3): scores = sigmoid(x @ gate.T) in fp32; experts are *chosen* on scores +
   e_score_correction_bias, within the topk_group best of n_group groups (a group scores the sum of
   its two best), and *weighted* by the plain scores, renormalised, times routed_scaling_factor.
@@ -58,24 +60,21 @@ class MoeBlock(nn.Module):
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
-        if m.scoring == "softmax":
-            probs = torch.softmax(logits.float(), dim=-1)
-            w, idx = torch.topk(probs, m.top_k, dim=-1)
-            if m.norm_topk_prob:
-                w = w / w.sum(dim=-1, keepdim=True)
-            return w, idx
-        scores = logits.float().sigmoid()
+        scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else logits.float().sigmoid()
         choice = scores + self.score_bias if self.score_bias is not None else scores
         if m.n_group > 1:
             T = choice.shape[0]
-            group_scores = choice.view(T, m.n_group, -1).topk(2, dim=-1).values.sum(-1)
+            grouped = choice.view(T, m.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1) if m.group_score == "top2_sum" else grouped.amax(-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, torch.topk(group_scores, m.topk_group, dim=-1).indices, True)
             choice = choice.masked_fill(~keep.repeat_interleave(m.num_experts // m.n_group, dim=1), float("-inf"))
         idx = torch.topk(choice, m.top_k, dim=-1).indices
         w = scores.gather(1, idx)
         if m.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if m.scoring == "sigmoid" else 0.0))
+        if m.routed_scaling_factor == 1.0:
+            return w, idx
         return w * m.routed_scaling_factor, idx
 
     # ---- experts --------------------------------------------------------------------------------

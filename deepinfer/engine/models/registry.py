@@ -1,7 +1,7 @@
 """Maps config.json `architectures` names to model classes."""
 
 from deepinfer.engine.model_config import ModelConfig
-from deepinfer.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from deepinfer.engine.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from deepinfer.engine.models.layers import DecoderForCausalLM
 from deepinfer.engine.models.llama import LlamaForCausalLM
 from deepinfer.engine.models.qwen2 import Qwen2ForCausalLM
@@ -15,6 +15,7 @@ MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
