@@ -7,7 +7,8 @@ from typing import Any
 
 from deepinfer.errors import ModelLoadError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass
@@ -29,6 +30,8 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: Any = None  # moe_config.MoeConfig for mixture-of-experts architectures
+    mla: Any = None  # moe_config.MlaConfig for multi-head latent attention (DeepSeek-V3)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -43,7 +46,12 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id")
             eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+            from deepinfer.engine.moe_config import parse_mla, parse_moe
+
+            layers = int(cfg["num_hidden_layers"])
             return cls(
+                moe=parse_moe(arch, cfg, layers),
+                mla=parse_mla(arch, cfg, _rope_scaling(cfg)),
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -57,8 +65,9 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                attention_bias=(bool(cfg.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM"
+                                else bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

@@ -56,13 +56,14 @@ class ModelRunner:
         self.model.eval()
         self.block_size = config.block_size
         mc = model_config
-        self.bytes_per_block = mc.num_hidden_layers * 2 * config.block_size * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
+        # (tensors per layer, heads, dim): K and V per head, or one latent entry per token (MLA)
+        self.kv_parts, kv_heads, kv_dim = self.model.kv_cache_spec()
+        self.kv_bytes_per_token = mc.num_hidden_layers * self.kv_parts * kv_heads * kv_dim * torch.finfo(dtype).bits // 8
+        self.bytes_per_block = config.block_size * self.kv_bytes_per_token
         self.num_blocks = self._num_blocks()
         slots = self.num_blocks * self.block_size
-        self.kv_cache = torch.zeros(
-            mc.num_hidden_layers, 2, slots, mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=device
-        )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_hidden_layers)]
+        self.kv_cache = torch.zeros(mc.num_hidden_layers, self.kv_parts, slots, kv_heads, kv_dim, dtype=dtype, device=device)
+        self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(mc.num_hidden_layers)]
         self.linear = self._select_linear()
         self.attention_fn = None
         self.kernels = config.kernels
@@ -120,7 +121,7 @@ class ModelRunner:
         mc = self.model_config
         with K.use_backend(self.kernels):
             rms = K.selected_backend("fused_add_rmsnorm", self.device) == "tilelang"
-            attn = K.selected_backend("paged_decode_attention", self.device) == "tilelang"
+            attn = K.selected_backend("paged_decode_attention", self.device) == "tilelang" and self.kv_parts == 2
             if not (rms or attn):
                 return
             # compile (or load from the disk cache) now, never on the per-step path

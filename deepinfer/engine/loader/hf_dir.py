@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from deepinfer.engine.json_file import read_json_object
+from deepinfer.engine.loader import fp8_blocks
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.errors import ModelLoadError
@@ -71,6 +72,9 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
             raise ModelLoadError(f"{index} lists tensors its shards lack: {absent[:5]}")
     else:
         raise ModelLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} (only safetensors checkpoints load)")
+    if any(n.endswith(fp8_blocks.SCALE_SUFFIX) for n in tensors):  # block-FP8 (DeepSeek): dequantise now
+        cfg = read_json_object(model_dir / "config.json", "config.json")
+        tensors = fp8_blocks.dequantize_checkpoint(tensors, fp8_blocks.block_size_of(cfg))
     for name, t in tensors.items():
         if not t.is_floating_point():
             raise ModelLoadError(f"{model_dir}: tensor {name} has dtype {t.dtype}; quantised HF checkpoints are not supported")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.engine.loader import moe_weight_spec
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.errors import ModelLoadError
 
@@ -20,16 +21,20 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if config.moe is not None or config.mla is not None:  # experts / latent attention: moe_weight_spec.py
+            shapes.update(moe_weight_spec.mlp_shapes(config, i, p))
+            if config.mla is not None:
+                shapes.update(moe_weight_spec.mla_shapes(config, p))
+                continue
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                           p + "mlp.down_proj.weight": (h, ff)})
         shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (ff, h),
-            p + "mlp.up_proj.weight": (ff, h),
-            p + "mlp.down_proj.weight": (h, ff),
         })
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
@@ -47,6 +52,7 @@ def is_ignorable(name: str, config: ModelConfig) -> bool:
 def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
     """Raise ModelLoadError naming missing, unexpected or wrongly shaped tensors of `source`."""
     shapes = expected_shapes(config)
+    shapes.update(moe_weight_spec.mtp_shapes(config, weights))  # DeepSeek's MTP layers, when shipped
     missing = sorted(set(shapes) - set(weights))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

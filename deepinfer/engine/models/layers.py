@@ -74,10 +74,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
-        inv = rope_inv_freq(head_dim, theta, scaling)
+        mag = 1.0  # YaRN scales cos and sin by its attention factor
+        if scaling and scaling.get("rope_type") == "yarn":
+            from deepinfer.engine.models.yarn import yarn_inv_freq
+
+            inv, mag = yarn_inv_freq(head_dim, theta, scaling, max_positions)
+        else:
+            inv = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos() * mag, freqs.sin() * mag
         self.half = head_dim // 2
         self.register_buffer("cos", torch.cat([cos, cos], -1), persistent=False)  # [P, D]
         self.register_buffer("sin", torch.cat([-sin, sin], -1), persistent=False)  # sign of rotate_half folded in
@@ -132,6 +138,19 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return meta.linear(o.reshape(T, self.q_size), self.o_weight, None)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        return [self.qkv_weight.data, self.o_weight.data]
+
+    def load(self, p: str, take, put) -> None:
+        """p: 'model.layers.{i}.self_attn.'"""
+        put(self.qkv_weight, torch.cat([take(p + f"{n}_proj.weight") for n in "qkv"], 0), p + "qkv_proj.weight")
+        if self.qkv_bias is not None:
+            put(self.qkv_bias, torch.cat([take(p + f"{n}_proj.bias") for n in "qkv"], 0), p + "qkv bias")
+        put(self.o_weight, take(p + "o_proj.weight"), p + "o_proj.weight")
+        if self.q_norm is not None:
+            put(self.q_norm.weight, take(p + "q_norm.weight"), p + "q_norm.weight")
+            put(self.k_norm.weight, take(p + "k_norm.weight"), p + "k_norm.weight")
+
 
 class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -148,14 +167,28 @@ class GatedMLP(nn.Module):
             h = F.silu(g) * u
         return meta.linear(h, self.down_weight, None)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        return [self.down_weight.data]
+
+    def gated_weights(self) -> list[torch.Tensor]:
+        return [self.gate_up_weight.data]
+
+    def load(self, p: str, take, put) -> None:
+        """p: 'model.layers.{i}.mlp.' (or a shared expert's prefix)"""
+        put(self.gate_up_weight, torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")], 0),
+            p + "gate_up_proj.weight")
+        put(self.down_weight, take(p + "down_proj.weight"), p + "down_proj.weight")
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None):
+        """attn / mlp: other blocks with the same interface (MLA, MoE); default GQA attention, gated MLP."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg)
 
     def forward(self, rope, x, residual, meta, kv_cache):
         if residual is None:
@@ -177,11 +210,19 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         max_pos = max(cfg.max_position_embeddings, 1)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         )
+
+    def make_layer(self, cfg: ModelConfig, i: int) -> DecoderLayer:
+        """Layer i; architectures with other attention / MLP blocks override this."""
+        return DecoderLayer(cfg, i, self.rotary)
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(tensors per layer, heads, dim) of the paged KV cache: per-head K and V here."""
+        return 2, self.config.num_key_value_heads, self.config.head_dim
 
     def forward(self, input_ids, positions, meta: ForwardContext, kv_caches) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
@@ -197,14 +238,13 @@ class DecoderForCausalLM(nn.Module):
         """Every weight that goes through ForwardContext.linear (the projections and the lm_head)."""
         ws: list[torch.Tensor] = []
         for layer in self.layers:
-            a = layer.self_attn
-            ws += [a.qkv_weight, a.o_weight, layer.mlp.down_weight]
-        ws.append(self.embed_tokens if self.lm_head is None else self.lm_head)
-        return [w.data for w in ws]
+            ws += layer.self_attn.linear_weights() + layer.mlp.linear_weights()
+        ws.append((self.embed_tokens if self.lm_head is None else self.lm_head).data)
+        return ws
 
     def gated_weights(self) -> list[torch.Tensor]:
         """The stacked [gate; up] weights (through ForwardContext.silu_mul when set, else linear)."""
-        return [layer.mlp.gate_up_weight.data for layer in self.layers]
+        return [w for layer in self.layers for w in layer.mlp.gated_weights()]
 
     def set_fused_add_norm(self, fn) -> None:
         """Use fn(x, residual, weight, eps) -> (normed, x + residual) for every residual-add norm."""
@@ -225,39 +265,15 @@ class DecoderForCausalLM(nn.Module):
     # ---- weight loading -------------------------------------------------------------------------
     def load_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         """Copy HF-named tensors in, fusing q|k|v and gate|up; raises ModelLoadError on a missing/misshapen one."""
-        cfg = self.config
-
-        def take(name: str) -> torch.Tensor:
-            t = weights.get(name)
-            if t is None:
-                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
-            return t
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ModelLoadError(
-                    f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
-                )
-            param.data = value.to(device=device, dtype=dtype).contiguous()
-
+        take, put = self.weight_loaders(weights, dtype, device)
         put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         if self.lm_head is not None:
             put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = layer.self_attn
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
-            put(a.qkv_weight, qkv, p + "self_attn.qkv_proj.weight")
-            if a.qkv_bias is not None:
-                put(a.qkv_bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0), p + "qkv bias")
-            put(a.o_weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-            if a.q_norm is not None:
-                put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
-                put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-            gu = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
-            put(layer.mlp.gate_up_weight, gu, p + "mlp.gate_up_proj.weight")
-            put(layer.mlp.down_weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            layer.self_attn.load(p + "self_attn.", take, put)
+            layer.mlp.load(p + "mlp.", take, put)
             put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(
                 layer.post_attention_layernorm.weight,
@@ -265,3 +281,23 @@ class DecoderForCausalLM(nn.Module):
                 p + "post_attention_layernorm.weight",
             )
         self.rotary.to(device)
+
+    @staticmethod
+    def weight_loaders(weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        """(take(name), put(param, value, name, dtype=...)): fetch a checkpoint tensor / copy it into a
+        parameter, each raising ModelLoadError naming the tensor."""
+
+        def take(name: str) -> torch.Tensor:
+            t = weights.get(name)
+            if t is None:
+                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+            return t
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str, dtype: torch.dtype = dtype) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
+                )
+            param.data = value.to(device=device, dtype=dtype).contiguous()
+
+        return take, put
