@@ -76,7 +76,7 @@ class StepSampler:
             top_n = [r.params.logprobs for r in rows]
             raw = sel.clone() if any(n is not None for n in top_n) else None
             valid = self.structured.apply_masks(sel, mask_rows, step.id)
-            tok_t = self.sampler.sample(sel, rows)
+            tok_t = self.sampler.sample(sel, self.sampler.prepare(rows, sel.shape[1], sel.device))
             tokens[torch.tensor(slots, dtype=torch.long, device=tokens.device)] = tok_t
             row_lps = compute_logprobs(raw, tok_t, top_n) if raw is not None else [None] * len(rows)
             drawn = tok_t.tolist()
