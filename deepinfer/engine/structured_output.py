@@ -29,6 +29,7 @@ class StructuredOutputs:
         self.fallback = fallback
         self.stats = stats
         self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
+        self._uploader = None  # pinned host -> device copy of each step's mask (non-CPU logits)
 
     @property
     def token_bytes(self) -> list[bytes | None]:
@@ -83,6 +84,11 @@ class StructuredOutputs:
                 seq.error = f"grammar failed while masking: {type(e).__name__}: {e}"
                 valid[i] = 1
             seq.next_mask = None
+        if logits.device.type != "cpu":  # one non-blocking copy of the step's mask, applied on the device
+            from deepinfer.grammar.bitmask_device import BitmaskUploader
+
+            self._uploader = self._uploader or BitmaskUploader()
+            bitmask = self._uploader.upload(bitmask, logits.device)
         apply_token_bitmask_(logits, bitmask, rows=masked)
         self.stats.record_grammar(time.perf_counter() - t, len(masked))
         return valid
