@@ -46,6 +46,7 @@ def load_baseline(rev: str):
         f.write(src)
     spec = importlib.util.spec_from_file_location("baseline_sampler", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_sampler"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

@@ -72,9 +72,8 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [S] int64, V where a row has none (None: no row has one)
     top_p: torch.Tensor | None  # [S] fp32
     min_p: torch.Tensor | None  # [S] fp32
-    uniforms: torch.Tensor | None  # [S] float64, one per draw (rng.row_key(seed, position))
-    keys: list[int]  # [B] the draws' 32-bit keys, 0 for greedy rows (the fused kernel hashes them)
-    temperature_all: list[float]  # [B] 0 for greedy rows (the fused kernel's input)
+    uniforms: torch.Tensor | None  # [S] float64, one per draw (inverse_cdf.row_uniforms of keys)
+    keys: torch.Tensor | None  # [S] int64 the draws' 32-bit keys, rng.row_key(seed, position)
 
     @property
     def fusable(self) -> bool:
@@ -127,42 +126,45 @@ def prepare_penalties(rows: list[SamplingRow], vocab: int, device: torch.device)
 
 
 def prepare(rows: list[SamplingRow], vocab: int, device: torch.device | str) -> SamplingBatch:
-    """Every row's sampling parameters as tensors on device (the once-per-step host work)."""
+    """Every row's sampling parameters as tensors on device (the once-per-step host work; only
+    what the batch uses is built: an all-greedy batch without bans or penalties builds nothing)."""
     device = torch.device(device)
     B = len(rows)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    ban_r, ban_c = [], []
-    for i, r in enumerate(rows):
-        if r.banned:
-            ids = [t for t in r.banned if t < vocab]
-            ban_r += [i] * len(ids)
-            ban_c += ids
-    # greedy rows draw nothing: key 0 (the fused kernel ignores it at temperature 0)
-    keys = [0 if r.params.greedy else rng.row_key(r.seed, r.position) for r in rows]
+    params = [r.params for r in rows]
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    ban_r = ban_c = None
+    if any(r.banned for r in rows):
+        br, bc = [], []
+        for i, r in enumerate(rows):
+            if r.banned:
+                ids = [t for t in r.banned if t < vocab]
+                br += [i] * len(ids)
+                bc += ids
+        if br:
+            ban_r, ban_c = _dev(br, torch.long, device), _dev(bc, torch.long, device)
+    pen = None
+    if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+        pen = prepare_penalties(rows, vocab, device)
+    batch = SamplingBatch(size=B, all_greedy=not sampled, greedy_idx=None, sampled_idx=None, penalties=pen,
+                          ban_r=ban_r, ban_c=ban_c, temps=None, top_k=None, top_p=None, min_p=None, uniforms=None,
+                          keys=None)
+    if not sampled:
+        return batch
     lng, f32 = torch.long, torch.float32
-    temps = top_k = top_p = min_p = uni = None
-    if sampled:
-        sp = [rows[i].params for i in sampled]
-        temps = _dev([p.temperature for p in sp], f32, device)
-        if any(p.top_k > 0 for p in sp):
-            top_k = _dev([p.top_k if 0 < p.top_k < vocab else vocab for p in sp], lng, device)
-        if any(p.top_p < 1.0 for p in sp):
-            top_p = _dev([p.top_p for p in sp], f32, device)
-        if any(p.min_p > 0 for p in sp):
-            min_p = _dev([p.min_p for p in sp], f32, device)
-        uni = _dev([row_uniform(keys[i]) for i in sampled], torch.float64, device)
-    return SamplingBatch(
-        size=B,
-        all_greedy=len(greedy) == B,
-        greedy_idx=_dev(greedy, lng, device) if greedy and sampled else None,
-        sampled_idx=_dev(sampled, lng, device) if sampled else None,
-        penalties=prepare_penalties(rows, vocab, device),
-        ban_r=_dev(ban_r, lng, device) if ban_r else None,
-        ban_c=_dev(ban_c, lng, device) if ban_r else None,
-        temps=temps, top_k=top_k, top_p=top_p, min_p=min_p, uniforms=uni, keys=keys,
-        temperature_all=[0.0 if r.params.greedy else r.params.temperature for r in rows],
-    )
+    sp = [params[i] for i in sampled]
+    if len(sampled) < B:
+        batch.greedy_idx = _dev([i for i, p in enumerate(params) if p.temperature == 0.0], lng, device)
+    batch.sampled_idx = _dev(sampled, lng, device)
+    batch.temps = _dev([p.temperature for p in sp], f32, device)
+    if any(p.top_k > 0 for p in sp):
+        batch.top_k = _dev([p.top_k if 0 < p.top_k < vocab else vocab for p in sp], lng, device)
+    if any(p.top_p < 1.0 for p in sp):
+        batch.top_p = _dev([p.top_p for p in sp], f32, device)
+    if any(p.min_p > 0 for p in sp):
+        batch.min_p = _dev([p.min_p for p in sp], f32, device)
+    batch.keys = _dev([rng.row_key(rows[i].seed, rows[i].position) for i in sampled], lng, device)
+    batch.uniforms = row_uniforms(batch.keys, device)
+    return batch
 
 
 def penalize(logits: torch.Tensor, pen: Penalties) -> None:
@@ -268,9 +270,10 @@ class Sampler:
         if self.fused_route(batch, logits.device):
             from deepinfer_kernels.dispatch import masked_sample
 
-            dev = logits.device
-            temps = _dev(batch.temperature_all, torch.float32, dev)
-            keys = _dev(batch.keys, torch.long, dev)
+            # the kernel takes every row: temperature 0 (key unused) for the greedy ones
+            si = batch.sampled_idx
+            temps = torch.zeros(batch.size, dtype=torch.float32, device=logits.device).index_copy_(0, si, batch.temps)
+            keys = torch.zeros(batch.size, dtype=torch.long, device=logits.device).index_copy_(0, si, batch.keys)
             return masked_sample(logits.float(), bitmask, temps, keys)
         if bitmask is not None:
             from deepinfer.grammar.bitmask_device import apply_token_bitmask_device_
