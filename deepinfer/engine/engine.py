@@ -100,7 +100,7 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             cfg.grammar_backend, cfg.grammar_fallback, self.stats)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, cfg.seed, self.structured)
-        self.step_sampler = StepSampler(Sampler(), self.structured, self.eos_token_ids, self.stats)
+        self.step_sampler = StepSampler(Sampler(kernels=cfg.kernels), self.structured, self.eos_token_ids, self.stats)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len, self.structured, self.kv, self.stats)
         self.speculator = self._make_speculator() if cfg.speculative else None
         self._seqs: dict[str, Sequence] = {}

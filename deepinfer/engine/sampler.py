@@ -238,10 +238,11 @@ class Sampler:
     module docstring), "always" also on CPU (the kernel's C twin; tests use it to run the CUDA
     route's code), "never" keeps every batch on the torch ops."""
 
-    def __init__(self, fused: str = "auto"):
+    def __init__(self, fused: str = "auto", kernels: str = "auto"):
         if fused not in FUSED_MODES:
             raise InvalidRequestError(f"Sampler fused must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
         self.fused = fused
+        self.kernels = kernels  # the engine's kernels option: "torch" keeps every batch on torch ops
 
     prepare = staticmethod(prepare)
 
@@ -251,9 +252,12 @@ class Sampler:
             return False  # an all-greedy batch is one argmax: nothing to fuse
         if self.fused == "always":
             return True
-        from deepinfer_kernels.dispatch import selected_backend
+        from deepinfer_kernels.dispatch import selected_backend, use_backend
 
-        return device.type == "cuda" and selected_backend("masked_sample", device) == "tilelang"
+        if device.type != "cuda":
+            return False
+        with use_backend(self.kernels):
+            return selected_backend("masked_sample", device) == "tilelang"
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch | list[SamplingRow],
                bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,13 +272,14 @@ class Sampler:
         if batch.ban_r is not None:
             logits[batch.ban_r, batch.ban_c] = float("-inf")
         if self.fused_route(batch, logits.device):
-            from deepinfer_kernels.dispatch import masked_sample
+            from deepinfer_kernels.dispatch import masked_sample, use_backend
 
             # the kernel takes every row: temperature 0 (key unused) for the greedy ones
             si = batch.sampled_idx
             temps = torch.zeros(batch.size, dtype=torch.float32, device=logits.device).index_copy_(0, si, batch.temps)
             keys = torch.zeros(batch.size, dtype=torch.long, device=logits.device).index_copy_(0, si, batch.keys)
-            return masked_sample(logits.float(), bitmask, temps, keys)
+            with use_backend("tilelang" if self.fused == "always" else self.kernels):
+                return masked_sample(logits.float(), bitmask, temps, keys)
         if bitmask is not None:
             from deepinfer.grammar.bitmask_device import apply_token_bitmask_device_
 

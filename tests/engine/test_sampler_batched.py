@@ -127,6 +127,8 @@ def test_fused_route_rule():
     for rows in (filt, pen, greedy):  # penalties / filters need the torch ops; all-greedy is one argmax
         assert not always.fused_route(prepare(rows, V, cpu), cpu)
     assert not Sampler(fused="never").fused_route(prepare(plain, V, cpu), cuda)
+    assert not Sampler(kernels="torch").fused_route(prepare(plain, V, cpu), cuda)  # Engine(kernels="torch")
+    assert Sampler(kernels="tilelang").fused_route(prepare(plain, V, cpu), cuda)
 
 
 def test_fused_kernel_route_draws_what_the_torch_route_draws(tilelang_available):
