@@ -4,6 +4,7 @@ bit for bit; its device-generic ops; the fused route's rule and its kernel on CP
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -151,3 +152,29 @@ def tilelang_available():
     if not _tilelang.available():
         pytest.skip("tilelang is not importable")
     return True
+
+
+def test_engine_on_the_fused_route_writes_what_the_torch_route_writes(tiny_models, tilelang_available, monkeypatch):
+    # the CUDA route's code (grammar mask handed to the kernel, not applied by torch) run on the CPU
+    # through the kernel's C twin: same tokens as the torch route, grammar respected
+    from deepinfer import Engine
+
+    prompts = ["hello world", "the quick brown fox", "a b c", "def add(a, b):"] * 2
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, regex=r"(yes|no), [a-z]{2,6}!") if i % 2 else
+              SamplingParams(temperature=0.9, seed=i, max_tokens=10, min_tokens=3) for i in range(len(prompts))]
+    from deepinfer_kernels import dispatch
+
+    calls = []
+    real = dispatch.masked_sample
+    monkeypatch.setattr(dispatch, "masked_sample", lambda lg, bm, t, k: calls.append(bm is not None) or real(lg, bm, t, k))
+    outs = {}
+    for fused in ("never", "always"):
+        eng = Engine(str(tiny_models["llama"]), device="cpu", kv_cache_memory=16 << 20)
+        eng.step_sampler.sampler = Sampler(fused=fused)
+        outs[fused] = eng.generate(prompts, params)
+    assert any(calls) and not all(calls)  # kernel steps with a grammar mask handed over, and without
+    assert [o.token_ids for o in outs["always"]] == [o.token_ids for o in outs["never"]]
+    for o, p in zip(outs["always"], params):
+        assert o.finish_reason != "error"
+        if p.regex and o.finish_reason == "stop":
+            assert re.fullmatch(p.regex, o.text)
