@@ -39,6 +39,8 @@ ENV_VAR = "DEEPINFER_KERNELS"
 # single rows are noisy, the pattern is not):
 #   masked_sample: sampled rows x13-41 at V=49152, B=1/8/64 (the twin fuses the ~30 elementwise
 #     passes of the portable noise and skips masked tokens); greedy rows x0.1-4 (noise-level).
+#     (Measured for the earlier Gumbel-max draw; the inverse-CDF draw has not been re-measured.
+#     The engine calls this op only on its CUDA fused route, engine/sampler.py.)
 #   fused_add_rmsnorm: x0.4-0.7 at hidden 576/4096, B=1..64 (torch's vectorised ops win over
 #     the scalar C loop), so torch.
 #   paged_decode_attention: x0.3 at B=1, x0.9-1.3 at B=8/64 (ctx 512): no clear win for the
@@ -118,10 +120,11 @@ def _run(op: str, device: torch.device, supported: bool, tl_fn, ref_fn, args):
 def masked_sample(
     logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor, keys: torch.Tensor
 ) -> torch.Tensor:
-    """Token ids [B] int64: greedy (temperature 0) or Gumbel-max sampling over allowed tokens.
+    """Token ids [B] int64: greedy (temperature 0) or the seeded inverse-CDF draw over allowed tokens.
 
     bitmask None allows every token. See deepinfer_kernels.sampling for the exact definition;
-    every backend returns the same ids bit for bit.
+    backends return the same ids (greedy rows bit for bit, sampled rows up to float rounding at a
+    CDF step).
     """
     if bitmask is None and isinstance(logits, torch.Tensor) and logits.dim() == 2:
         bitmask = torch.full(

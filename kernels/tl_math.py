@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from . import _tilelang
 from . import rng
+from .inverse_cdf import UNIFORM_SALT
 
 
 # Every CPU-twin kernel that uses these macros passes this as T.Kernel(..., prelude=C_PRELUDE).
@@ -106,6 +107,14 @@ def make_math(cuda: bool) -> SimpleNamespace:
         return fadd(fdiv(logit, temp), gumbel(key, token))
 
     @T.macro
+    def uniform64(key):
+        # inverse_cdf.row_uniform: ((hash32(key ^ salt) >> 8) + 0.5) / 2**24 as (2k + 1) / 2**25,
+        # built from integer casts only (exact; float64 literals need not print exactly in C)
+        h = T.alloc_var("uint32")
+        h = hash32(key ^ T.uint32(UNIFORM_SALT))
+        return T.Cast("float64", (h >> T.uint32(8)) * T.uint32(2) + T.uint32(1)) / T.Cast("float64", T.int32(1 << 25))
+
+    @T.macro
     def inv_rms(sumsq, n, eps):
         # rsqrt(mean + eps); 1/sqrt is correctly rounded on both backends, rsqrtf is not.
         return fdiv(c(1.0), T.sqrt(fadd(fdiv(sumsq, c(float(n))), c(eps))))
@@ -123,5 +132,5 @@ def make_math(cuda: bool) -> SimpleNamespace:
         rescale=rescale, c=c,
         inv_rms=inv_rms, rms_scale=rms_scale,
         hash32=hash32, log=log, gumbel_from_hash=gumbel_from_hash, gumbel=gumbel,
-        sample_score=sample_score, fadd=fadd, fsub=fsub, fmul=fmul, fdiv=fdiv,
+        sample_score=sample_score, uniform64=uniform64, fadd=fadd, fsub=fsub, fmul=fmul, fdiv=fdiv,
     )

@@ -1,20 +1,34 @@
 """Engine checks and timings on a CUDA device, in one run (python scripts/gpu_engine_check.py).
 
-1. tiny random Llama, fp32 on the device: greedy tokens and logprobs vs transformers on the device;
+1. tiny random Llama, fp32: greedy tokens and logprobs vs transformers on the same device;
 2. the same with deepinfer_kernels forced to TileLang vs torch (greedy equal);
-3. batch-invariant mode: one prompt alone vs inside random batches;
-4. a SmolLM2-135M-shaped model (random weights, bf16; the real GGUF is too big to carry): output
-   tokens/s at batch 1/32/128, and the overlapped vs synchronous loop at batch 64 (idle share).
-Pass --device cpu to dry-run the script here.
+3. batch-invariant mode: one prompt alone vs inside random batches (fp32, bf16);
+4. a Qwen3-shaped model of ~0.5B parameters (random weights, bf16; the default model's tokenizer):
+   a. JSON-schema and regex requests at batch 64, every output validated; constrained /
+      unconstrained output tokens/s at batch 64;
+   b. penalties (repetition / frequency / presence) through the engine, and the sampler's device
+      path against its CPU path on the same logits;
+   c. CUDA graphs on/off x overlap on/off: output tokens/s at batch 1/32/128/256, the idle gap
+      between forward passes, greedy outputs equal across the four;
+   d. achieved memory bandwidth of batch-1 decode (weight + KV bytes per step / step time)
+      against the H200's ~4.3 TB/s.
+Targets (printed PASS/FAIL): batch-1 decode >= 60% of bandwidth; overlap >= 1.0x sync at every
+batch with idle gap < 5%; constrained / unconstrained >= 0.9 at batch 64.
+
+    python scripts/gpu_engine_check.py [--device cuda] [--tiny] [--skip N ...]
+
+`--device cpu --tiny` runs every part that can run without a GPU on small shapes (a smoke test in
+tests/engine/test_gpu_engine_check.py); CUDA-only parts print "skipped (needs CUDA)". The exit
+status is 1 when any section raised, so a crash is never mistaken for a result.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import random
+import re
 import sys
 import tempfile
 import time
@@ -27,9 +41,19 @@ import torch
 
 from deepinfer import Engine, SamplingParams
 
+H200_TBPS = 4.3
+QWEN3_05B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=3072)
+QWEN3_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128)
+
 
 def section(name):
     print(f"\n== {name}", flush=True)
+
+
+def verdict(ok: bool, what: str) -> None:
+    print(f"{'PASS' if ok else 'FAIL'}: {what}", flush=True)
 
 
 def tiny_vs_hf(dev, root):
@@ -52,6 +76,7 @@ def tiny_vs_hf(dev, root):
         for i, t in enumerate(o.logprobs):
             worst = max(worst, abs(t.logprob - lp[len(ids) - 1 + i, t.token_id].item()))
     print(f"greedy equal to transformers: {same}/{len(prompts)}; max logprob diff {worst:.2e}")
+    verdict(same == len(prompts), "greedy parity with transformers on the tiny model")
     return path
 
 
@@ -65,7 +90,7 @@ def kernels_vs_torch(dev, path):
           f"{[x.token_ids for x in a] == [y.token_ids for y in b]}")
 
 
-def batch_invariance(dev, path, dtype):
+def batch_invariance(dev, path, dtype, rounds=8):
     eng = Engine(str(path), device=dev, dtype=dtype, kv_cache_memory=64 << 20, batch_invariant=True, max_num_batched_tokens=96)
     r = random.Random(0)
     words = "the quick brown fox jumps over lazy dog hello world".split()
@@ -73,78 +98,223 @@ def batch_invariance(dev, path, dtype):
     sp = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=0)
     ref = eng.generate([needle], sp)[0]
     bad = 0
-    for _ in range(8):
+    for _ in range(rounds):
         n = r.randint(2, 48)
         others = [" ".join(r.choice(words) for _ in range(r.randint(1, 50))) for _ in range(n - 1)]
         pos = r.randint(0, n - 1)
         out = eng.generate(others[:pos] + [needle] + others[pos:], [SamplingParams(max_tokens=r.randint(1, 12))] * pos + [sp]
                            + [SamplingParams(max_tokens=5)] * (n - 1 - pos))[pos]
         bad += out.token_ids != ref.token_ids or [x.logprob for x in out.logprobs] != [x.logprob for x in ref.logprobs]
-    print(f"batch-invariant ({dtype}): {8 - bad}/8 random batches bitwise equal to the prompt alone")
+    print(f"batch-invariant ({dtype}): {rounds - bad}/{rounds} random batches bitwise equal to the prompt alone")
+    verdict(bad == 0, f"batch invariance ({dtype})")
 
 
-def smollm_shaped(dev, root):
-    """A random-weight model with SmolLM2-135M's config and tokenizer (carried in .gpu/smollm2_tok)."""
-    import transformers
+def default_tokenizer_dir(root: pathlib.Path) -> pathlib.Path:
+    """The default model's tokenizer as HF files: .gpu/smollm2_tok when carried, else exported from
+    the default GGUF's metadata (no weights are read)."""
+    carried = ROOT / ".gpu" / "smollm2_tok"
+    if (carried / "tokenizer.json").is_file():
+        return carried
+    import gguf
 
-    tok_dir = ROOT / ".gpu" / "smollm2_tok"
-    cfg = json.loads((tok_dir / "config.json").read_text())
-    out = root / "smollm_random"
+    from deepinfer.engine.loader.gguf_tokenizer import tokenizer_parts_from_gguf
+    from deepinfer.engine.loader.model_loader import default_model_path
+
+    hf, meta = tokenizer_parts_from_gguf(gguf.GGUFReader(str(default_model_path())))
+    out = root / "default_tok"
     out.mkdir(exist_ok=True)
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16)
-    model.save_pretrained(str(out))
-    for f in tok_dir.iterdir():
-        if f.name != "config.json":
-            (out / f.name).write_bytes(f.read_bytes())
+    hf.save(str(out / "tokenizer.json"))
+    cfg = {k: meta[k] for k in ("bos_token", "eos_token", "pad_token") if meta.get(k)}
+    if meta.get("chat_template"):
+        cfg["chat_template"] = meta["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
     return out
 
 
-def throughput(dev, path):
-    prompts = [f"Question {i}: please explain topic number {i} to a curious student in simple words." for i in range(128)]
-    for overlap in (False, True):
-        eng = Engine(str(path), device=dev, kv_cache_memory=4 << 30, overlap_schedule=overlap)
+def qwen3_shaped(root: pathlib.Path, tiny: bool) -> pathlib.Path:
+    """A Qwen3-architecture model with random bf16 weights (~0.5B parameters; --tiny: ~3M) and the
+    default model's tokenizer."""
+    import transformers
+
+    tok_dir = default_tokenizer_dir(root)
+    tok = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"]) + sum(1 for t in tok.get("added_tokens", []) if t["content"] not in tok["model"]["vocab"])
+    shape = QWEN3_TINY if tiny else QWEN3_05B
+    cfg = transformers.Qwen3Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=True,
+                                   rope_theta=1e6, rms_norm_eps=1e-6, **shape)
+    out = root / ("qwen3_tiny" if tiny else "qwen3_05b")
+    out.mkdir(exist_ok=True)
+    torch.manual_seed(0)
+    init_dev = "cuda" if torch.cuda.is_available() else "cpu"  # random init of 0.5B params: seconds on a GPU
+    with torch.device(init_dev):
+        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    for f in tok_dir.iterdir():
+        if f.name not in ("config.json",) and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    print(f"Qwen3-shaped model: {n / 1e6:.0f}M parameters, vocab {vocab}, bf16 random weights")
+    return out
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "ok": {"type": "boolean"}}, "required": ["name", "age", "ok"], "additionalProperties": False}
+REGEX = r"[a-z]{3,8}-[0-9]{2,4}"
+
+
+def structured(dev, path, batch, new_tokens):
+    eng = Engine(str(path), device=dev, kv_cache_memory=2 << 30)
+    prompts = [f"Record {i}: give the person's name, age and status as JSON." for i in range(batch)]
+    eng.generate(prompts[:2], SamplingParams(max_tokens=2, json_schema=SCHEMA))  # compile the grammar
+    half = batch // 2
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=new_tokens, json_schema=SCHEMA) for i in range(half)]
+    params += [SamplingParams(temperature=0.7, seed=i, max_tokens=new_tokens, regex=REGEX) for i in range(half, batch)]
+    t = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    dt_c = time.perf_counter() - t
+    n_c = sum(len(o.token_ids) for o in outs)
+    ok_json = sum(o.valid is True for o in outs[:half])
+    ok_re = sum(re.fullmatch(REGEX, o.text) is not None for o in outs[half:])
+    done = sum(o.finish_reason == "stop" for o in outs)
+    bad = [o.error for o in outs if o.finish_reason == "error"]
+    print(f"constrained batch {batch}: json valid {ok_json}/{half}, regex match {ok_re}/{batch - half}, "
+          f"finished by the grammar {done}/{batch}, errors {len(bad)} {bad[:2]}")
+    free = [SamplingParams(temperature=0.7, seed=i, max_tokens=max(1, n_c // batch), ignore_eos=True) for i in range(batch)]
+    t = time.perf_counter()
+    outs_u = eng.generate(prompts, free)
+    dt_u = time.perf_counter() - t
+    n_u = sum(len(o.token_ids) for o in outs_u)
+    ratio = (n_c / dt_c) / (n_u / dt_u)
+    print(f"constrained {n_c / dt_c:.0f} tok/s vs unconstrained {n_u / dt_u:.0f} tok/s: {ratio:.2f}x")
+    truncated = sum(o.finish_reason == "length" for o in outs)
+    verdict(ok_json + ok_re + truncated >= batch and not bad, "every constrained output that finished is valid")
+    verdict(ratio >= 0.9, f"constrained / unconstrained throughput >= 0.9 at batch {batch} ({ratio:.2f})")
+
+
+def penalties(dev, path):
+    from deepinfer.engine.sampler import Sampler, SamplingRow, prepare
+
+    eng = Engine(str(path), device=dev, kv_cache_memory=1 << 30)
+    prompts = ["the the the the the", "one two one two one two"]
+    base = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    pen = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8,
+                                               frequency_penalty=1.0, presence_penalty=1.0))
+    rep = [len(o.token_ids) - len(set(o.token_ids)) for o in base]
+    rep_p = [len(o.token_ids) - len(set(o.token_ids)) for o in pen]
+    print(f"repeated tokens in 24: greedy {rep}, with penalties {rep_p}")
+    verdict(sum(rep_p) <= sum(rep), "penalties run on the device and do not raise repetition")
+    r = random.Random(0)
+    V = 49152
+    rows = [SamplingRow(SamplingParams(temperature=0 if i % 4 == 0 else 0.8, repetition_penalty=1.3,
+                                       frequency_penalty=0.5, presence_penalty=0.25, top_p=0.95),
+                        r.randrange(2**32), r.randrange(4096), [r.randrange(V) for _ in range(50)],
+                        [r.randrange(V) for _ in range(30)], [2]) for i in range(64)]
+    logits = torch.randn(64, V, generator=torch.Generator().manual_seed(0)) * 3
+    s = Sampler(fused="never")
+    cpu = s.sample(logits.clone(), prepare(rows, V, "cpu"))
+    on_dev = s.sample(logits.to(dev), prepare(rows, V, dev)).cpu()
+    same = int((cpu == on_dev).sum())
+    print(f"sampler with penalties/top-p: device draws equal to CPU draws {same}/64 (differences only from softmax rounding)")
+    verdict(same >= 62, "device sampler agrees with the CPU sampler")
+
+
+def weight_bytes(eng) -> int:
+    return sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
+
+
+def throughput(dev, path, batches, new_tokens, cuda):
+    prompts = [f"Question {i}: please explain topic number {i} to a curious student in simple words." for i in range(max(batches))]
+    configs = [(g, o) for g in ((False, True) if cuda else (False,)) for o in (False, True)]
+    if not cuda:
+        print("cuda_graphs=True: skipped (needs CUDA)")
+    results, texts, wb = {}, {}, None
+    for graphs, overlap in configs:
+        eng = Engine(str(path), device=dev, kv_cache_memory=8 << 30 if cuda else 256 << 20, overlap_schedule=overlap,
+                     max_num_seqs=max(batches), **({"cuda_graphs": True} if graphs else {}))
         eng.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+        wb = wb or weight_bytes(eng)
         row = []
-        for b in (1, 32, 64, 128):
-            sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        for b in batches:
+            sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
             eng.reset_prefix_cache()
-            g0, t = eng.stats.idle_gap_time, time.perf_counter()
-            eng.generate(prompts[:b], sp)
+            s = eng.stats
+            s.last_forward_end = 0.0  # the gap before this run's first forward is not this run's
+            g0 = s.idle_gap_time
+            t = time.perf_counter()
+            outs = eng.generate(prompts[:b], sp)
             dt = time.perf_counter() - t
-            row.append(f"b{b}: {b * 64 / dt:.0f} tok/s idle {(eng.stats.idle_gap_time - g0) / dt:.0%}")
-        print(("overlap " if overlap else "sync    ") + "; ".join(row), flush=True)
+            idle = (s.idle_gap_time - g0) / dt
+            results[(graphs, overlap, b)] = (b * new_tokens / dt, idle, dt)
+            texts[(graphs, overlap, b)] = [o.token_ids for o in outs]
+            row.append(f"b{b}: {b * new_tokens / dt:.0f} tok/s idle {idle:.0%}")
+        if graphs and eng.runner.graphs is not None:
+            row.append(f"graph replays {eng.runner.graphs.replays}")
+        print(f"graphs {'on ' if graphs else 'off'} overlap {'on ' if overlap else 'off'}: " + "; ".join(row), flush=True)
+    same = all(texts[k] == texts[(False, False, k[2])] for k in texts)
+    verdict(same, "greedy outputs equal with graphs and overlap on/off")
+    for g in {c[0] for c in configs}:
+        ok = all(results[(g, True, b)][0] >= results[(g, False, b)][0] and results[(g, True, b)][1] < 0.05 for b in batches)
+        ratios = ", ".join(f"b{b} {results[(g, True, b)][0] / results[(g, False, b)][0]:.2f}x" for b in batches)
+        verdict(ok, f"graphs {'on' if g else 'off'}: overlap >= 1.0x sync with idle < 5% ({ratios})")
+    if batches[0] == 1:
+        g = cuda
+        tok_s = max(results[(g, o, 1)][0] for o in (False, True))
+        mc = json.loads((pathlib.Path(path) / "config.json").read_text())
+        kv_per_tok = 2 * mc["num_hidden_layers"] * mc["num_key_value_heads"] * mc["head_dim"] * 2
+        ctx = 20 + new_tokens // 2  # mean context of the batch-1 run
+        bw = tok_s * (wb + kv_per_tok * ctx) / 1e12
+        print(f"batch-1 decode: {tok_s:.0f} tok/s x {(wb + kv_per_tok * ctx) / 1e9:.2f} GB/step = {bw:.2f} TB/s "
+              f"({bw / H200_TBPS:.0%} of {H200_TBPS} TB/s)")
+        if cuda:
+            verdict(bw / H200_TBPS >= 0.6, "batch-1 decode >= 60% of memory bandwidth")
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small model and batches (the CPU smoke test)")
     ap.add_argument("--skip", nargs="*", default=[])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = args.device
-    if dev == "cuda":
+    cuda = dev.startswith("cuda")
+    if cuda:
         print(torch.cuda.get_device_name(0), torch.__version__)
     root = pathlib.Path(tempfile.mkdtemp())
-    path = None
+    tiny = args.tiny
+    batches = [1, 4, 8] if tiny else [1, 32, 128, 256]
+    state: dict = {}
+
+    def big():
+        if "big" not in state:
+            state["big"] = qwen3_shaped(root, tiny)
+        return state["big"]
+
     steps = [
-        ("tiny llama vs transformers (fp32)", lambda: tiny_vs_hf(dev, root)),
-        ("kernels on vs off", lambda: kernels_vs_torch(dev, path)),
-        ("batch invariance fp32", lambda: batch_invariance(dev, path, "float32")),
-        ("batch invariance bf16", lambda: batch_invariance(dev, path, "bfloat16")),
-        ("SmolLM2-shaped throughput, overlap vs sync", lambda: throughput(dev, smollm_shaped(dev, root))),
+        ("tiny llama vs transformers (fp32)", lambda: state.setdefault("tiny", tiny_vs_hf(dev, root))),
+        ("kernels on vs off", lambda: kernels_vs_torch(dev, state["tiny"])),
+        ("batch invariance fp32", lambda: batch_invariance(dev, state["tiny"], "float32", 2 if tiny else 8)),
+        ("batch invariance bf16", lambda: batch_invariance(dev, state["tiny"], "bfloat16", 2 if tiny else 8)),
+        ("Qwen3-shaped: JSON schema + regex at batch 64", lambda: structured(dev, big(), 8 if tiny else 64, 16 if tiny else 64)),
+        ("Qwen3-shaped: penalties", lambda: penalties(dev, big())),
+        ("Qwen3-shaped: graphs x overlap throughput, bandwidth", lambda: throughput(dev, big(), batches, 8 if tiny else 64, cuda)),
     ]
+    failed = []
     for i, (name, fn) in enumerate(steps):
         if str(i) in args.skip:
             continue
-        section(name)
+        section(f"{i}. {name}")
+        t = time.perf_counter()
         try:
-            r = fn()
-            if i == 0:
-                path = r
+            fn()
         except Exception:
             traceback.print_exc()
+            failed.append(name)
+        print(f"({time.perf_counter() - t:.1f} s)", flush=True)
+    print(f"\nsections raising: {failed or 'none'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

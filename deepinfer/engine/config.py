@@ -55,6 +55,9 @@ class EngineConfig:
     # size each step's verification by the drafts' learned confidence and the forward cost measured
     # at start (speculation.py); False verifies every draft the drafter proposes
     speculative_budget: bool = True
+    # CUDA: replay decode-only steps from graphs captured per padded batch-size bucket
+    # (engine/cuda_graphs.py); prefill and mixed steps run eagerly
+    cuda_graphs: bool = False
     kernels: str = "auto"  # custom kernels: "auto" (per op and device, as measured) | "torch" | "tilelang"
     # CPU fp32: keep a packed copy of every projection weight for the native panel GEMM (oneDNN's
     # layout where no C compiler is found): 1.1-2.2x faster than F.linear at every batch size
@@ -102,6 +105,12 @@ class EngineConfig:
             and self.grammar_compile_timeout > 0
         ):
             raise bad(f"grammar_compile_timeout must be a number of seconds > 0 or None, got {self.grammar_compile_timeout!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise bad(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.device == "cpu":
+            raise bad("cuda_graphs needs a CUDA device (device='cuda' or 'auto' on a GPU machine)")
+        if self.cuda_graphs and self.batch_invariant:
+            raise bad("cuda_graphs and batch_invariant cannot be combined (the invariant attention is not capturable)")
         if self.grammar_backend not in ("xgrammar", "llguidance", "outlines"):
             raise bad(f"grammar_backend must be 'xgrammar', 'llguidance' or 'outlines', got {self.grammar_backend!r}")
 

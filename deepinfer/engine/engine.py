@@ -102,7 +102,7 @@ class Engine:
                                             cfg.grammar_backend, cfg.grammar_fallback, self.stats,
                                             cfg.grammar_compile_timeout)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, cfg.seed, self.structured)
-        self.step_sampler = StepSampler(Sampler(), self.structured, self.eos_token_ids, self.stats)
+        self.step_sampler = StepSampler(Sampler(kernels=cfg.kernels), self.structured, self.eos_token_ids, self.stats)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len, self.structured, self.kv, self.stats)
         self.speculator = self._make_speculator() if cfg.speculative else None
         self._seqs: dict[str, Sequence] = {}
@@ -114,7 +114,13 @@ class Engine:
         self._deferred: list[Sequence] = []  # finished while in flight: release after the forward
         self._step_ids = itertools.count()
         self._executor = None
-        if cfg.overlap_schedule:
+        self._stream_forward = None
+        if cfg.overlap_schedule and self.device.type == "cuda":
+            from deepinfer.engine.cuda_overlap import StreamForward
+
+            # CUDA: the forward is queued on the stream and waited on by event, no worker thread
+            self._stream_forward = StreamForward(self.runner, self.stats, self.device)
+        elif cfg.overlap_schedule:
             from concurrent.futures import ThreadPoolExecutor
 
             # torch releases the GIL inside ops, so the forward runs while this thread plans/post-processes
@@ -438,7 +444,9 @@ class Engine:
         st, batch = plan_step(sched, next(self._step_ids), self.config.block_size, self.kv, self.stats)
         prepared = self.runner.prepare(batch)
         self.stats.schedule_time += time.perf_counter() - t0
-        if run_async:
+        if run_async and self._stream_forward is not None:
+            st.future = self._stream_forward.launch(st, prepared, prev_tokens)
+        elif run_async:
             st.future = self._executor.submit(self._timed_forward, st, prepared, prev_tokens)
         else:
             self._timed_forward(st, prepared, prev_tokens)

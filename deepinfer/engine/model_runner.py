@@ -61,7 +61,9 @@ class ModelRunner:
         self.kv_bytes_per_token = mc.num_hidden_layers * self.kv_parts * kv_heads * kv_dim * torch.finfo(dtype).bits // 8
         self.bytes_per_block = config.block_size * self.kv_bytes_per_token
         self.num_blocks = self._num_blocks()
-        slots = self.num_blocks * self.block_size
+        self.use_graphs = config.cuda_graphs and device.type == "cuda"
+        # one scratch block past the allocator's pool for the padding rows of captured decode steps
+        slots = (self.num_blocks + self.use_graphs) * self.block_size
         self.kv_cache = torch.zeros(mc.num_hidden_layers, self.kv_parts, slots, kv_heads, kv_dim, dtype=dtype, device=device)
         self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(mc.num_hidden_layers)]
         self.linear = self._select_linear()
@@ -74,6 +76,35 @@ class ModelRunner:
         self._select_kernels()
         if config.batch_invariant:
             self._use_batch_invariant_ops()
+        self.graphs = self._capture_graphs() if self.use_graphs else None
+
+    def _capture_graphs(self):
+        """Decode graphs per batch bucket (cuda_graphs.py); needs the paged decode kernel."""
+        import warnings
+
+        import deepinfer_kernels as K
+        from deepinfer.engine.cuda_graphs import DecodeGraphs
+
+        if self.decode_kernel is None:
+            warnings.warn("cuda_graphs: the paged decode kernel is not in use (kernels='torch' or TileLang "
+                          "unavailable); decode steps run eagerly", RuntimeWarning, stacklevel=3)
+            return None
+        mlen = self.config.max_model_len or self.model_config.max_position_embeddings
+        bs = self.block_size
+
+        def make_ctx(slots, nd, bt, cl):
+            return ForwardContext(slot_mapping=slots, linear=self.linear, silu_mul=getattr(self.linear, "silu_mul", None),
+                                  num_decode=nd, decode_block_tables=bt, decode_context_lens=cl, block_size=bs,
+                                  decode_kernel=self.decode_kernel)
+
+        def run_model(ids, positions, ctx):
+            return self.model.compute_logits(self.model(ids, positions, ctx, self.kv_caches), ctx)
+
+        graphs = DecodeGraphs(run_model, make_ctx, self.device, self.config.max_num_seqs, -(-mlen // bs), bs,
+                              scratch_block=self.num_blocks)
+        with K.use_backend(self.kernels):
+            graphs.capture()
+        return graphs
 
     def _select_linear(self):
         """The projection op: GEMMs on weights packed at load on CPU fp32 (native panels, else oneDNN:
@@ -256,6 +287,12 @@ class ModelRunner:
         if prev_tokens is not None:
             ph = ids < 0
             ids = torch.where(ph, prev_tokens.to(dev)[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
+        c = batch.ctx
+        if (num_layers is None and self.graphs is not None and c.num_decode == ids.shape[0] and not c.prefills
+                and c.decode_block_tables is not None and self.graphs.fits(c.num_decode, c.decode_block_tables.shape[1])
+                and torch.equal(batch.logit_rows, torch.arange(c.num_decode))):
+            return self.graphs.replay(ids, batch.positions.to(dev, non_blocking=True), c.slot_mapping,
+                                      c.decode_block_tables, c.decode_context_lens)
         # the model runs one layer per KV cache it is given (zip): fewer caches, fewer layers
         kv = self.kv_caches if num_layers is None else self.kv_caches[:num_layers]
         hidden = self.model(ids, batch.positions.to(dev), batch.ctx, kv)

@@ -75,8 +75,13 @@ class StepSampler:
                 sel = logits.index_select(0, torch.tensor(want, dtype=torch.long, device=logits.device))
             top_n = [r.params.logprobs for r in rows]
             raw = sel.clone() if any(n is not None for n in top_n) else None
-            valid = self.structured.apply_masks(sel, mask_rows, step.id)
-            tok_t = self.sampler.sample(sel, rows)
+            batch = self.sampler.prepare(rows, sel.shape[1], sel.device)
+            if self.sampler.fused_route(batch, sel.device):  # the kernel applies the mask in its pass
+                valid, bitmask = self.structured.device_masks(sel, mask_rows, step.id)
+                tok_t = self.sampler.sample(sel, batch, bitmask=bitmask)
+            else:
+                valid = self.structured.apply_masks(sel, mask_rows, step.id)
+                tok_t = self.sampler.sample(sel, batch)
             tokens[torch.tensor(slots, dtype=torch.long, device=tokens.device)] = tok_t
             row_lps = compute_logprobs(raw, tok_t, top_n) if raw is not None else [None] * len(rows)
             drawn = tok_t.tolist()

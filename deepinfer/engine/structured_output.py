@@ -30,6 +30,7 @@ class StructuredOutputs:
         self.compile_timeout = compile_timeout
         self.stats = stats
         self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
+        self._uploader = None  # pinned host -> device copy of each step's mask (non-CPU logits)
 
     @property
     def token_bytes(self) -> list[bytes | None]:
@@ -84,10 +85,20 @@ class StructuredOutputs:
         """Mask logits in place. rows: (sequence, its first row in logits, its drafts); the sequence's
         rows are first_row .. first_row + len(drafts). Returns per entry how many of its rows have a
         valid mask (1 + the drafts its grammar accepts; all of them when unconstrained)."""
+        return self._masks(logits, rows, step_id, apply=True)[0]
+
+    def device_masks(self, logits: torch.Tensor, rows: list[tuple[Sequence, int, list[int]]],
+                     step_id: int) -> tuple[list[int], torch.Tensor | None]:
+        """apply_masks without applying: (valid, the step's int32 bitmask on logits' device with
+        every row that is not masked all-allowed, or None when nothing is constrained), for a
+        sampler that applies it itself (the fused kernel)."""
+        return self._masks(logits, rows, step_id, apply=False)
+
+    def _masks(self, logits, rows, step_id, apply: bool):
         valid = [1 + len(d) for _, _, d in rows]
         constrained = [i for i, (s, _, _) in enumerate(rows) if s.matcher is not None]
         if not constrained:
-            return valid
+            return valid, None
         from deepinfer.grammar import allocate_token_bitmask, apply_token_bitmask_
 
         t = time.perf_counter()
@@ -109,9 +120,19 @@ class StructuredOutputs:
                 seq.error = f"grammar failed while masking: {type(e).__name__}: {e}"
                 valid[i] = 1
             seq.next_mask = None
-        apply_token_bitmask_(logits, bitmask, rows=masked)
+        if not apply:  # rows left unmasked (a failed matcher may have half-filled one) allow everything
+            unmasked = sorted(set(range(logits.shape[0])) - set(masked))
+            if unmasked:
+                bitmask[unmasked] = -1
+        if logits.device.type != "cpu":  # one non-blocking copy of the step's mask, applied on the device
+            from deepinfer.grammar.bitmask_device import BitmaskUploader
+
+            self._uploader = self._uploader or BitmaskUploader()
+            bitmask = self._uploader.upload(bitmask, logits.device)
+        if apply:
+            apply_token_bitmask_(logits, bitmask, rows=masked)
         self.stats.record_grammar(time.perf_counter() - t, len(masked))
-        return valid
+        return valid, bitmask
 
     def _budget_guard(self, seq: Sequence, logits: torch.Tensor):
         """complete_within_budget: fn(bitmask, row, j) narrowing the mask of the draw j tokens

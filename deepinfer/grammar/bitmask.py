@@ -1,4 +1,5 @@
-"""Token bitmasks: allocate them and apply them to CPU logits.
+"""Token bitmasks: allocate them and apply them to logits (CPU-tuned here; other devices go to
+bitmask_device.py's torch path).
 
 Layout (the same as xgrammar's): int32 [B, ceil(V/32)], bit (t % 32) of word (t // 32) set means
 token t is allowed. Applying sets every disallowed logit to -inf; bits past the logits width are
@@ -74,6 +75,11 @@ def apply_token_bitmask_(
     when None; other rows are untouched). logits: float [B, V] on CPU; bitmask: int32
     [>= B, >= ceil(V/32)] (row r of the bitmask belongs to row r of the logits, so a bitmask
     allocated for the largest batch serves every smaller one)."""
+    if logits.device.type != "cpu" or bitmask.device.type != "cpu":
+        from deepinfer.grammar.bitmask_device import apply_token_bitmask_device_
+
+        apply_token_bitmask_device_(logits, bitmask, rows)  # CUDA logits: the device-generic torch path
+        return
     _check(logits, bitmask)
     B, V = logits.shape
     rows_t = _rows_tensor(rows, B)
