@@ -13,6 +13,10 @@ writes every result through the same `stream.run_stream` as a local job (resume,
 exactly-once). A block whose actor dies is retried on a live actor; a key already written is never
 written again, so each id appears once. Seeds derive from (seed, record id) as locally, so a record's
 output does not depend on the replica that ran it.
+
+Killing a job that started its own local cluster: signal its process group (what a terminal's
+Ctrl-C or a batch scheduler does). A SIGKILL to the driver pid alone leaves that cluster's
+DashboardAgent and RuntimeEnvAgent processes running (measured: still alive after 60 s).
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ class RayPool:
                         self._fail_blocks([(block, attempts + 1)], f"Ray actor died {attempts + 1} times", on_finished)
                     else:
                         retry.append((block, attempts + 1))
+                    continue
+                except ray.exceptions.RayTaskError as e:  # run_block itself raised: a bug, not the records'
+                    self._fail_blocks([(block, attempts)], f"replica {i} failed the block: {e}", on_finished)
                     continue
                 self.per_actor[i] += len(results)
                 for f in results:

@@ -164,3 +164,30 @@ def test_actor_killed_mid_job_each_id_once(tmp_path, tiny_models, cluster):
     assert sorted(got) == sorted(f"k{i}" for i in range(n)) and s.processed == n
     assert all(r["ok"] for r in got.values())
     assert pools[0].retried_blocks >= 1 and not pools[0].alive[0]
+
+
+def test_run_batch_on_two_replicas_equals_local(tmp_path, tiny_models, cluster):
+    from deepinfer import Engine
+    from deepinfer.jobs.batch_runner import run_batch_job
+
+    from test_openai_batch import MIXED
+
+    (tmp_path / "in.jsonl").write_text("\n".join(MIXED) + "\n")
+    model = str(tiny_models["llama"])
+    o = dict(progress=False, batch_size=4, seed=2)
+    run_batch_job(JobOptions(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "local.jsonl"), **o),
+                  Engine(model, **ENGINE), model=model)
+    s = ray_jobs.run_batch_job(JobOptions(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "ray.jsonl"), **o),
+                               model, ENGINE, ray_jobs.RayOptions(replicas=2))
+    assert s.processed == len(MIXED)
+
+    def norm(path):
+        out = {}
+        for line in results(path):
+            if line["response"] and "created" in line["response"]["body"]:
+                del line["response"]["body"]["created"]  # a timestamp
+            out[line["id"]] = line
+        return out
+
+    local, remote = norm(tmp_path / "local.jsonl"), norm(tmp_path / "ray.jsonl")
+    assert len(local) == len(MIXED) and local == remote
