@@ -31,7 +31,7 @@ class EngineDriver:
         self.engine = engine
         self._q: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
         self._groups: dict[str, _Group] = {}
-        self._closed = False
+        self._closed = self._abort = False
         self._thread = threading.Thread(target=self._loop, name="deepinfer-engine-driver", daemon=True)
         self._thread.start()
 
@@ -42,17 +42,19 @@ class EngineDriver:
         self._q.put(_Group(list(requests), fut))
         return fut
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the thread once what is in flight has finished (with `abort`: abort it now)."""
         if not self._closed:
             self._closed = True
+            self._abort = abort
             self._q.put(None)
             self._thread.join()
 
     def __enter__(self) -> "EngineDriver":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(abort=exc_type is not None)  # e.g. Ctrl-C: do not finish the window first
 
     # ------------------------------------------------------------------ driver thread
     def _admit(self, group: _Group) -> None:
@@ -78,6 +80,16 @@ class EngineDriver:
                 pass
         self._groups.clear()
 
+    def _flush(self) -> None:
+        """Step until the engine has reported every abort, so whoever uses it next finds it idle."""
+        for _ in range(10_000):
+            if not self.engine.has_unfinished():
+                return
+            try:
+                self.engine.step()
+            except Exception:  # a broken engine: nothing more to do for it here
+                return
+
     def _loop(self) -> None:
         stopping = False
         while True:
@@ -95,6 +107,10 @@ class EngineDriver:
                     item = self._q.get_nowait()
             except queue.Empty:
                 pass
+            if stopping and self._abort:
+                self._fail_all(RuntimeError("the engine driver was closed"))
+                self._flush()
+                return
             if not self._groups:
                 continue
             if not self.engine.has_unfinished():  # a bug, never a silent hang

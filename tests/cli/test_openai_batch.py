@@ -220,3 +220,21 @@ def test_cli_run_batch(tmp_path, tiny_models):
     (tmp_path / "out.jsonl").unlink()
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 2 and "pip install 'deepinfer[ray]'" in r.stderr, r.stderr
+
+
+def test_engine_driver_fails_only_the_refused_group_and_aborts_on_close(engine):
+    from deepinfer.errors import PromptTooLongError
+    from deepinfer.jobs.engine_driver import EngineDriver
+
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    with EngineDriver(engine) as d:
+        ok = d.submit([("Hello", greedy), ("Paris", greedy)])
+        bad = d.submit([("Hi", greedy), ([5] * 600, greedy)])  # the tiny model's context is 512
+        got = [o.text for o in ok.result(60)]
+        assert isinstance(bad.exception(60), PromptTooLongError)
+    # the driver thread has stopped: the engine is this thread's again
+    assert got == [o.text for o in engine.generate(["Hello", "Paris"], greedy)]
+    d = EngineDriver(engine)
+    long = d.submit([("Hello", SamplingParams(max_tokens=400, ignore_eos=True))])
+    d.close(abort=True)
+    assert isinstance(long.exception(60), RuntimeError) and not engine.has_unfinished()
