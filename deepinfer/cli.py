@@ -1,6 +1,8 @@
-"""The `deepinfer` command line. Subcommands: `run` (an offline job over a JSON-lines file).
+"""The `deepinfer` command line. Subcommands: `run` (an offline job over a JSON-lines file) and
+`run-batch` (an OpenAI batch file); both also run on a Ray cluster with `--ray`.
 
     deepinfer run examples/extract.py:extract --input records.jsonl --output results.jsonl
+    deepinfer run-batch -i batch.jsonl -o results.jsonl [--ray [ADDRESS] --replicas 2]
 
 Exit status: 0 when every record succeeded, 1 when any failed, 2 for usage errors (bad program
 path or options, output file in the way), 130 when interrupted. Usage errors are reported
@@ -37,6 +39,19 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--map", action="append", metavar="OLD=NEW", default=[],
                      help="rename input field OLD to program argument NEW (repeatable)")
     run.add_argument("--field", metavar="NAME", help="pass each whole line as the one argument NAME")
+    _add_job_args(run)
+    batch = sub.add_parser(
+        "run-batch", help="run an OpenAI batch file (/v1/chat/completions, /v1/completions)",
+        description="Run every request of an OpenAI batch input file; OpenAI batch output lines "
+                    "(id, custom_id, response, error) are appended to OUTPUT as requests finish.",
+    )
+    batch.add_argument("--input", "-i", required=True, help="OpenAI batch input (JSON lines)")
+    batch.add_argument("--output", "-o", required=True, help="OpenAI batch output file (appended)")
+    _add_job_args(batch)
+    return parser
+
+
+def _add_job_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--model", "-m", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
     run.add_argument("--kv-cache-memory", type=int, default=None, metavar="MIB", help="KV cache size in MiB")
     run.add_argument("--speculative", choices=["ngram", "draft"], default=None,
@@ -54,30 +69,15 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ordered", action="store_true", help="write results in input order")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     run.add_argument("--log-interval", type=float, default=10.0, help="seconds between log lines when not a tty")
-    return parser
+    ray = run.add_argument_group("Ray (pip install 'deepinfer[ray]')")
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="run on a Ray cluster (ADDRESS, e.g. 'auto' or ray://host:10001; none: a local cluster)")
+    ray.add_argument("--replicas", type=int, default=1, help="engine actors (default 1)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each actor reserves (default 1)")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs each actor reserves (default 0)")
 
 
-def _run(args: argparse.Namespace) -> int:
-    from deepinfer.jobs import JobOptions, JobUsageError, load_program, run_job, validate_options
-    from deepinfer.jobs.records import parse_map
-
-    try:
-        program = load_program(args.program)
-        opts = JobOptions(
-            input=args.input, output=args.output, batch_size=args.batch_size, limit=args.limit,
-            resume=args.resume, ordered=args.ordered, seed=args.seed, mapping=parse_map(args.map),
-            field=args.field, progress=not args.quiet, log_interval=args.log_interval,
-            sampling={k: getattr(args, k) for k in _SAMPLING_OPTIONS if getattr(args, k) is not None}
-            | {"complete_within_budget": args.complete_within_budget},  # only constrained gens use it
-        )
-        validate_options(program, opts)  # everything checkable before the model loads
-    except JobUsageError as e:
-        print(f"deepinfer run: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
-    from deepinfer.engine.engine import Engine
-    from deepinfer.errors import DeepInferError
-
+def _engine_options(args: argparse.Namespace) -> dict:
     options = {}
     if args.kv_cache_memory is not None:
         options["kv_cache_memory"] = args.kv_cache_memory << 20
@@ -85,17 +85,67 @@ def _run(args: argparse.Namespace) -> int:
         options["speculative"] = args.speculative
     if args.seed is not None:
         options["seed"] = args.seed
+    return options
+
+
+def _run(args: argparse.Namespace) -> int:
+    from deepinfer.jobs import JobOptions, JobUsageError, load_program, validate_options
+    from deepinfer.jobs.batch_runner import validate_batch_options
+    from deepinfer.jobs.records import parse_map
+
+    name = f"deepinfer {args.command}"
+    batch = args.command == "run-batch"
     try:
-        engine = Engine(args.model, **options)
-        summary = run_job(program, opts, engine)
+        program = None if batch else load_program(args.program)
+        opts = JobOptions(
+            input=args.input, output=args.output, batch_size=args.batch_size, limit=args.limit,
+            resume=args.resume, ordered=args.ordered, seed=args.seed,
+            mapping={} if batch else parse_map(args.map), field=None if batch else args.field,
+            progress=not args.quiet, log_interval=args.log_interval,
+            sampling={k: getattr(args, k) for k in _SAMPLING_OPTIONS if getattr(args, k) is not None}
+            | {"complete_within_budget": args.complete_within_budget},  # only constrained gens use it
+        )
+        if batch:
+            validate_batch_options(opts)
+        else:
+            validate_options(program, opts)  # everything checkable before the model loads
+        if args.ray is not None:
+            from deepinfer.jobs.ray import RayOptions, require_ray
+
+            require_ray()
+            ray_opts = RayOptions(address=args.ray or None, replicas=args.replicas,
+                                  cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica)
+            ray_opts.validate()
     except JobUsageError as e:
-        print(f"deepinfer run: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    from deepinfer.errors import DeepInferError
+
+    options = _engine_options(args)
+    try:
+        if args.ray is not None:
+            from deepinfer.jobs import ray as ray_jobs
+
+            if batch:
+                summary = ray_jobs.run_batch_job(opts, args.model, options, ray_opts)
+            else:
+                summary = ray_jobs.run_job(args.program, opts, args.model, options, ray_opts)
+        else:
+            from deepinfer.engine.engine import Engine
+            from deepinfer.jobs import run_job
+            from deepinfer.jobs.batch_runner import run_batch_job
+
+            engine = Engine(args.model, **options)
+            summary = run_batch_job(opts, engine, model=args.model) if batch else run_job(program, opts, engine)
+    except JobUsageError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except DeepInferError as e:  # e.g. ModelLoadError: the job could not start
-        print(f"deepinfer run: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{name}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("deepinfer run: interrupted; results so far are in the output (use --resume)", file=sys.stderr)
+        print(f"{name}: interrupted; results so far are in the output (use --resume)", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(summary.line(), file=sys.stderr)
     return EXIT_FAILED if summary.failed else EXIT_OK

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from deepinfer.jobs.errors import JobUsageError
 from deepinfer.jobs.records import record_key
@@ -30,8 +30,14 @@ def to_jsonable(value: Any) -> Any:
     return msgspec.to_builtins(value, enc_hook=enc_hook, str_keys=True)
 
 
-def recover(path: str) -> tuple[set[str], int]:
-    """Keys (record_key) of the records in an existing results file, after truncating a half line.
+def result_key(obj: dict[str, Any]) -> str:
+    """The record_key of a `deepinfer run` result line."""
+    return record_key(obj["id"], obj.get("line"), bool(obj.get("implicit_id")))
+
+
+def recover(path: str, key_of: Callable[[dict[str, Any]], str] = result_key) -> tuple[set[str], int]:
+    """Keys (`key_of` each line; by default record_key) of the records in an existing results
+    file, after truncating a half line.
 
     Returns (ids, bytes_truncated). A last line without its newline is cut off (it was being
     written when the job died); complete lines that do not parse are an error.
@@ -47,7 +53,7 @@ def recover(path: str) -> tuple[set[str], int]:
             if raw.strip():
                 try:
                     obj = json.loads(raw)
-                    ids.add(record_key(obj["id"], obj.get("line"), bool(obj.get("implicit_id"))))
+                    ids.add(key_of(obj))
                 except (ValueError, KeyError, TypeError) as e:
                     raise JobUsageError(f"{path!r} line {n} is not a result record ({e}); cannot resume from it")
             good_end += len(raw)

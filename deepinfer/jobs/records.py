@@ -45,10 +45,10 @@ def record_key(record_id: Any, line: int, implicit: bool) -> str:
     return f"line:{line}" if implicit else id_key(record_id)
 
 
-def _id_of(obj: Any, line_no: int) -> tuple[Any, bool]:
+def _id_of(obj: Any, line_no: int, id_field: str = "id") -> tuple[Any, bool]:
     """(id, implicit) of a parsed line."""
-    if isinstance(obj, dict) and "id" in obj:
-        return obj["id"], False
+    if isinstance(obj, dict) and id_field in obj:
+        return obj[id_field], False
     return line_no, True
 
 
@@ -100,7 +100,7 @@ def to_record(seq: int, line_no: int, raw: str, sig: ProgramSignature, mapping: 
     return Record(seq, line_no, rid, kwargs, implicit_id=implicit)
 
 
-def _lines(path: str, limit: int | None) -> Iterator[tuple[int, str]]:
+def nonblank_lines(path: str, limit: int | None) -> Iterator[tuple[int, str]]:
     """(line number, text) of the first `limit` non-blank lines, streamed."""
     n = 0
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -116,7 +116,7 @@ def iter_records(path: str, sig: ProgramSignature, mapping: dict[str, str] | Non
                  field: str | None = None, limit: int | None = None) -> Iterator[Record]:
     """Records of a JSON-lines file, read lazily (the file is never held in memory)."""
     mapping = mapping or {}
-    for seq, (line_no, raw) in enumerate(_lines(path, limit)):
+    for seq, (line_no, raw) in enumerate(nonblank_lines(path, limit)):
         yield to_record(seq, line_no, raw, sig, mapping, field)
 
 
@@ -132,17 +132,17 @@ def count_records(path: str, limit: int | None = None) -> int:
     return n
 
 
-def check_unique_ids(path: str, limit: int | None = None) -> None:
+def check_unique_ids(path: str, limit: int | None = None, id_field: str = "id") -> None:
     """Refuse (JobUsageError) an input in which two records share an explicit id: results are
     matched to records by id, so --resume would skip the second as done. Streams the file once,
     holding only the keys of the ids seen."""
     seen: dict[str, int] = {}
-    for line_no, raw in _lines(path, limit):
+    for line_no, raw in nonblank_lines(path, limit):
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError:
             continue  # an error record with an implicit id: it cannot collide
-        rid, implicit = _id_of(obj, line_no)
+        rid, implicit = _id_of(obj, line_no, id_field)
         if implicit:
             continue
         key = id_key(rid)

@@ -7,19 +7,19 @@ ahead of the window); the engine batches their requests together.
 
 from __future__ import annotations
 
-import os
-import sys
-import zlib
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 import dataclasses
+import os
+import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from deepinfer.jobs.errors import JobUsageError
-from deepinfer.jobs.output import ResultWriter, recover, to_jsonable
+from deepinfer.jobs.output import to_jsonable
 from deepinfer.jobs.program import program_signature
-from deepinfer.jobs.progress import Progress
 from deepinfer.jobs.records import Record, check_mapping, check_unique_ids, count_records, id_key, iter_records
+from deepinfer.jobs.stream import Executor, JobSummary, run_stream
+from deepinfer.jobs.window import Finished, run_window
 from deepinfer.lang.function import Function
 
 
@@ -43,31 +43,15 @@ class JobOptions:
     fsync_interval: float = 1.0
 
 
-@dataclass
-class JobSummary:
-    """Counts of one job run (records skipped by --resume are not processed again)."""
-
-    processed: int = 0
-    failed: int = 0
-    skipped: int = 0
-    tokens: int = 0
-    elapsed_s: float = 0.0
-    truncated_bytes: int = 0
-
-    @property
-    def ok(self) -> int:
-        return self.processed - self.failed
-
-    def line(self) -> str:
-        rate = self.processed / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        tps = self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        return (f"[deepinfer run] done: {self.processed} records ({self.ok} ok, {self.failed} failed), "
-                f"{self.skipped} skipped (already in output), {self.elapsed_s:.1f}s, "
-                f"{rate:.2f} rec/s, {tps:.1f} tok/s")
-
-
 def validate_options(program: Function, opts: JobOptions) -> None:
     """Every check that needs no model: files, option values, argument mapping."""
+    check_job_options(opts)
+    check_mapping(program_signature(program), opts.mapping, opts.field)
+    check_unique_ids(opts.input, opts.limit)
+
+
+def check_job_options(opts: JobOptions) -> None:
+    """The checks every job kind shares: input/output files, window, limit, sampling defaults."""
     if not os.path.isfile(opts.input):
         raise JobUsageError(f"input file {opts.input!r} does not exist")
     if os.path.isdir(opts.output):
@@ -83,8 +67,6 @@ def validate_options(program: Function, opts: JobOptions) -> None:
         raise JobUsageError(f"--batch-size must be an int >= 1, got {opts.batch_size!r}")
     if opts.limit is not None and opts.limit < 0:
         raise JobUsageError(f"--limit must be >= 0, got {opts.limit}")
-    check_mapping(program_signature(program), opts.mapping, opts.field)
-    check_unique_ids(opts.input, opts.limit)
     from deepinfer.engine.sampling_params import SamplingParams
 
     try:
@@ -124,7 +106,7 @@ def _tokens(state: Any) -> int:
     return n
 
 
-def _result(rec: Record, state: Any = None, error: BaseException | str | None = None) -> dict[str, Any]:
+def result_line(rec: Record, state: Any = None, error: BaseException | str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rec.id, "line": rec.line}
     if rec.implicit_id:
         out["implicit_id"] = True  # its id is the line number: --resume matches it by line
@@ -148,73 +130,43 @@ def _record_seed(seed: int, rec: Record) -> int:
     return zlib.crc32(f"{seed}:{id_key(rec.id)}".encode()) & 0x7FFFFFFF
 
 
-def run_job(program: Function, opts: JobOptions, engine: Any) -> JobSummary:
-    """Run `program` over every input record on `engine`; returns the counts.
+class ProgramTask:
+    """A `deepinfer run` record: the program run on its fields (window.Task)."""
+
+    def __init__(self, program: Function, opts: JobOptions, engine: Any) -> None:
+        self.program, self.engine, self.seed = program, engine, opts.seed
+        self.sig = program_signature(program)
+        # sampling defaults must not shadow a program argument of the same name
+        self.sampling = {k: v for k, v in opts.sampling.items() if k not in self.sig.names}
+
+    def submit(self, rec: Record) -> Future:
+        kw = dict(self.sampling)
+        if self.seed is not None and "seed" not in self.sig.names:
+            kw["seed"] = _record_seed(self.seed, rec)
+        return self.program.submit(backend=self.engine, **{**kw, **rec.kwargs})  # the record's own fields win
+
+    def result(self, rec: Record, value: Any = None, error: BaseException | str | None = None) -> Finished:
+        line = result_line(rec, value, error)
+        return Finished(rec.seq, rec.key, line, line["ok"], _tokens(value) if value is not None else 0)
+
+
+def job_records(program: Function, opts: JobOptions) -> Iterator[Record]:
+    """The input records of a program job, streamed."""
+    return iter_records(opts.input, program_signature(program), opts.mapping, opts.field, opts.limit)
+
+
+def run_job(program: Function, opts: JobOptions, engine: Any, execute: Executor | None = None) -> JobSummary:
+    """Run `program` over every input record on `engine` (or through `execute`, e.g. a Ray
+    pool); returns the counts.
 
     Raises JobUsageError for a bad setup (see validate_options); bad records and failing
     programs become error records instead.
     """
     validate_options(program, opts)
-    sig = program_signature(program)
-    summary = JobSummary()
-    done_ids, summary.truncated_bytes = recover(opts.output) if opts.resume else (set(), 0)
-    if summary.truncated_bytes:
-        print(f"[deepinfer run] {opts.output}: removed a half-written last line ({summary.truncated_bytes} bytes); "
-              "its record is redone", file=sys.stderr, flush=True)
-    if done_ids:
-        print(f"[deepinfer run] resuming: {len(done_ids)} records already in {opts.output}", file=sys.stderr, flush=True)
-    total = count_records(opts.input, opts.limit)
-    progress = Progress(total, already_done=min(len(done_ids), total), log_interval=opts.log_interval,
-                        enabled=opts.progress, use_bar=opts.progress_bar)
-    # sampling defaults must not shadow a program argument of the same name
-    sampling = {k: v for k, v in opts.sampling.items() if k not in sig.names}
-    writer = ResultWriter(opts.output, ordered=opts.ordered, fsync_interval=opts.fsync_interval)
-    in_flight: dict[Future, Record] = {}
+    if execute is None:
+        task = ProgramTask(program, opts, engine)
 
-    def finish(rec: Record, result: dict[str, Any], tokens: int) -> None:
-        writer.write(rec.seq, result)
-        summary.processed += 1
-        summary.tokens += tokens
-        summary.failed += not result["ok"]
-        progress.update(result["ok"], tokens)
+        def execute(records, on_finished):
+            run_window(task, records, opts.batch_size, on_finished)
 
-    def reap(block: bool) -> None:
-        if not in_flight:
-            return
-        finished, _ = wait(list(in_flight), timeout=None if block else 0, return_when=FIRST_COMPLETED)
-        for fut in finished:
-            rec = in_flight.pop(fut)
-            try:
-                state = fut.result()
-            except Exception as e:  # the runtime itself failed this program
-                finish(rec, _result(rec, error=e), 0)
-                continue
-            finish(rec, _result(rec, state), _tokens(state))
-
-    try:
-        for rec in iter_records(opts.input, sig, opts.mapping, opts.field, opts.limit):
-            if done_ids and rec.key in done_ids:
-                writer.skip(rec.seq)
-                summary.skipped += 1
-                continue
-            if rec.error is not None:
-                finish(rec, _result(rec, error=rec.error), 0)
-                continue
-            kw = dict(sampling)
-            if opts.seed is not None and "seed" not in sig.names:
-                kw["seed"] = _record_seed(opts.seed, rec)
-            try:
-                fut = program.submit(backend=engine, **{**kw, **rec.kwargs})  # the record's own fields win
-            except Exception as e:
-                finish(rec, _result(rec, error=e), 0)
-                continue
-            in_flight[fut] = rec
-            while len(in_flight) >= opts.batch_size:
-                reap(block=True)
-        while in_flight:
-            reap(block=True)
-    finally:
-        writer.close()
-        progress.close()
-        summary.elapsed_s = progress.elapsed()
-    return summary
+    return run_stream(opts, job_records(program, opts), count_records(opts.input, opts.limit), execute)

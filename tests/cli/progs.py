@@ -25,4 +25,10 @@ def whole(s, rec):
     s["n_fields"] = len(rec)
 
 
+@di.function
+def story(s, text):
+    s += "Q: " + text + "\nA:"
+    s += di.gen("answer", max_tokens=16, ignore_eos=True)
+
+
 not_a_program = 42
