@@ -307,9 +307,11 @@ class Engine:
             self._inflight = self._launch(nxt, prev, run_async=True)
         if done is not None:
             outputs += self._process(done, samples)
-        if self._inflight is not None and (self.speculator is None or self.speculator.paused):
+        if self._inflight is not None and (self.speculator is None or (
+                self.speculator.paused and not any(e.drafts for e in self._inflight.entries))):
             # plan step N+1 while step N runs; a plan that would need a preemption is left for later.
-            # (While speculation drafts, the next step waits for this one's tokens instead.)
+            # (While speculation drafts, or step N verifies drafts and so may yield several tokens
+            # per sequence, the next step waits for N's tokens instead.)
             if self.speculator is not None:
                 self.speculator.skip_step()
             nxt = self._schedule(allow_preempt=False)
