@@ -166,6 +166,11 @@ class Engine:
         self.stats.prompt_tokens += len(ids)
         return request_id
 
+    def precompile(self, params: SamplingParams):
+        """Start compiling params' constraint in the grammar compile threads; a Future of it (None when
+        unconstrained or malformed: add_request reports that). add_request then finds it cached."""
+        return self.structured.precompile(params)
+
     def fork(self, request_id: str, n: int, params: SamplingParams | list[SamplingParams] | None = None) -> list[str]:
         """Start n child requests that continue from a running request's tokens so far.
 

@@ -10,6 +10,7 @@ no valid mask and are never accepted.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -29,26 +30,41 @@ class StructuredOutputs:
         self.fallback = fallback
         self.stats = stats
         self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
+        self._compiler_lock = threading.Lock()
 
     @property
     def token_bytes(self) -> list[bytes | None]:
         return self._compiler.token_bytes
 
-    def attach(self, seq: Sequence, params: SamplingParams) -> None:
-        """Give seq a matcher for its constraint (if any). Raises GrammarError for an invalid spec."""
+    def _spec(self, p: SamplingParams):
         from deepinfer.grammar import GrammarCompiler, spec_from_params
 
-        p = params
         spec = spec_from_params(
             regex=p.regex, json_schema=p.json_schema, grammar=p.grammar, choices=p.choices, dtype=p.dtype,
             json_object=p.json_object,
         )
+        with self._compiler_lock:  # precompile() may come from another thread than the step loop
+            if spec is not None and self._compiler is None:
+                self._compiler = GrammarCompiler(
+                    self.tokenizer.hf, self.vocab_size, self.eos_token_ids, backend=self.backend,
+                    fallback=self.fallback,
+                )
+        return spec
+
+    def precompile(self, params: SamplingParams):
+        """A Future of compiling params' constraint in the compiler's threads (None: nothing to compile,
+        or a malformed spec, which add_request reports). attach() then waits on / reuses it."""
+        try:
+            spec = self._spec(params)
+        except Exception:
+            return None
+        return None if spec is None else self._compiler.compile_async(spec)
+
+    def attach(self, seq: Sequence, params: SamplingParams) -> None:
+        """Give seq a matcher for its constraint (if any). Raises GrammarError for an invalid spec."""
+        spec = self._spec(params)
         if spec is None:
             return
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(
-                self.tokenizer.hf, self.vocab_size, self.eos_token_ids, backend=self.backend, fallback=self.fallback,
-            )
         compiled, backend = self._compiler.compile(spec)
         seq.matcher = compiled.new_matcher()
         seq.grammar_backend = backend

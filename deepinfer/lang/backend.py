@@ -15,6 +15,11 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.lang.chat_template import RoleFormat, analyze_chat_template
 
+
+def constraint_key(p: Any) -> tuple:
+    """Hashable identity of a request's constraint (equal keys compile to the same grammar)."""
+    return tuple(repr(getattr(p, k, None)) for k in ("regex", "json_schema", "grammar", "choices", "dtype", "json_object"))
+
 _ids = itertools.count()
 
 
@@ -25,6 +30,8 @@ class EngineBackend:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._role_format: RoleFormat | None = None
+        self._compiles: dict[tuple, Any] = {}  # constraint key -> Future of its precompile
+        self._compiles_lock = threading.Lock()
         # ids that end generation: the engine may add the model config's to the tokenizer's
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
         eos += list(getattr(engine, "eos_token_ids", None) or [])
@@ -51,6 +58,38 @@ class EngineBackend:
     def make_params(**fields: Any) -> SamplingParams:
         """SamplingParams from keyword fields (raises InvalidRequestError for bad values)."""
         return SamplingParams(**fields)
+
+    def precompile(self, params: SamplingParams) -> bool:
+        """Start compiling params' constraint ahead of its request (engines with `precompile`);
+        True when a compile was started. `compiling(params)` then says whether it still runs."""
+        fn = getattr(self.engine, "precompile", None)
+        fut = fn(params) if fn is not None else None
+        if fut is None:
+            return False
+        with self._compiles_lock:
+            self._compiles[constraint_key(params)] = fut
+        return True
+
+    def compiling(self, params: SamplingParams) -> bool:
+        """True while a precompile of params' constraint is still running (its request would wait)."""
+        if not self._compiles or not params.constrained:
+            return False
+        key = constraint_key(params)
+        with self._compiles_lock:
+            fut = self._compiles.get(key)
+            if fut is not None and fut.done():
+                del self._compiles[key]
+                fut = None
+        return fut is not None
+
+    def wait_compiles(self, timeout: float) -> None:
+        """Block until some running precompile finishes (or `timeout` seconds pass)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        with self._compiles_lock:
+            futs = list(self._compiles.values())
+        if futs:
+            wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> str:
         """Submit one request with a fresh id; raises the engine's InvalidRequestError/GrammarError."""
