@@ -31,6 +31,7 @@ class EngineBackend:
         self.tokenizer = engine.tokenizer
         self._role_format: RoleFormat | None = None
         self._compiles: dict[tuple, Any] = {}  # constraint key -> Future of its precompile
+        self._params: dict[tuple, SamplingParams] = {}  # make_params cache
         self._compiles_lock = threading.Lock()
         # ids that end generation: the engine may add the model config's to the tokenizer's
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
@@ -54,10 +55,24 @@ class EngineBackend:
         return self.tokenizer.decode(list(ids))
 
     # ---------------------------------------------------------------- requests
-    @staticmethod
-    def make_params(**fields: Any) -> SamplingParams:
-        """SamplingParams from keyword fields (raises InvalidRequestError for bad values)."""
-        return SamplingParams(**fields)
+    def make_params(self, **fields: Any) -> SamplingParams:
+        """SamplingParams from keyword fields (raises InvalidRequestError for bad values).
+
+        Equal fields give the same (never mutated) object: building and validating SamplingParams
+        was ~1/3 of the frontend's time per gen on the FakeEngine benchmark. Fields with
+        unhashable values (a schema dict) are built each time.
+        """
+        try:
+            key = tuple((k, type(v), tuple(v) if type(v) is list else v) for k, v in sorted(fields.items()))
+            hit = self._params.get(key)
+        except TypeError:
+            return SamplingParams(**fields)
+        if hit is None:
+            hit = SamplingParams(**fields)
+            if len(self._params) >= 4096:
+                self._params.clear()
+            self._params[key] = hit
+        return hit
 
     def precompile(self, params: SamplingParams) -> bool:
         """Start compiling params' constraint ahead of its request (engines with `precompile`);

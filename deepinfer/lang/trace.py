@@ -52,10 +52,20 @@ class CheckFailure(BaseException):
         self.where = _user_line()
 
 
+_in_lang: dict[str, bool] = {}  # code file name -> inside deepinfer/lang (abspath per frame cost ~40 us)
+
+
+def _is_lang(filename: str) -> bool:
+    hit = _in_lang.get(filename)
+    if hit is None:
+        hit = _in_lang[filename] = os.path.dirname(os.path.abspath(filename)) == _LANG_DIR
+    return hit
+
+
 def _user_line() -> tuple[str | None, int | None]:
     """(file, line) of the innermost frame outside deepinfer/lang: the program's own line."""
     f = sys._getframe(1)
-    while f is not None and os.path.dirname(os.path.abspath(f.f_code.co_filename)) == _LANG_DIR:
+    while f is not None and _is_lang(f.f_code.co_filename):
         f = f.f_back
     return (f.f_code.co_filename, f.f_lineno) if f is not None else (None, None)
 
@@ -65,7 +75,7 @@ def _traceback_line(exc: BaseException) -> tuple[str | None, int | None]:
     found: tuple[str | None, int | None] = (None, None)
     tb = exc.__traceback__
     while tb is not None:
-        if os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) != _LANG_DIR:
+        if not _is_lang(tb.tb_frame.f_code.co_filename):
             found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
         tb = tb.tb_next
     return found
