@@ -150,7 +150,7 @@ def three_stage(s, review, tokens):
     s += di.user("Is the review positive, negative or mixed?")
     s += di.assistant(di.select("sentiment", ["positive", "negative", "mixed"]))
     s += di.user("Summarise it as JSON.")
-    s += di.assistant(di.gen("summary", json_schema=REVIEW_SCHEMA, max_tokens=3 * tokens))
+    s += di.assistant(di.gen("summary", json_schema=REVIEW_SCHEMA, max_tokens=64, complete_within_budget=True))
 
 
 @di.function
@@ -168,7 +168,8 @@ def tree_step(s, task, tokens):
 
 @di.function
 def schema_prog(s, i, schema, tokens):
-    s += f"Record {i}. Fill in the fields as JSON:\n" + di.gen("obj", json_schema=schema, max_tokens=tokens)
+    s += f"Record {i}. Fill in the fields as JSON:\n" + di.gen("obj", json_schema=schema, max_tokens=tokens,
+                                                                complete_within_budget=True)
 
 
 def distinct_schemas(n: int, tag: str) -> list[dict]:
@@ -220,11 +221,15 @@ def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens:
     }
     for key, (prog, batch, kw) in workloads.items():
         prog.run_batch(batch[:2], backend=engine, **kw)  # warm-up (and the shared schema's compile)
-        for compile_ in (False, True):
-            res[f"{key}_{'compiled' if compile_ else 'interp'}"] = timed_batch(prog, batch, engine, compile_, **kw)
+        # alternate the modes twice and keep each one's best: the machine is shared and noisy
+        for _ in range(2):
+            for compile_ in (False, True):
+                name = f"{key}_{'compiled' if compile_ else 'interp'}"
+                got = timed_batch(prog, batch, engine, compile_, **kw)
+                res[name] = tuple(map(min, zip(res[name], got))) if name in res else got
     for compile_ in (False, True):
         tag = "c" if compile_ else "i"
-        batch = [{"i": i, "schema": sc, "tokens": tokens} for i, sc in enumerate(distinct_schemas(n_schemas, tag))]
+        batch = [{"i": i, "schema": sc, "tokens": 24} for i, sc in enumerate(distinct_schemas(n_schemas, tag))]
         res[f"c_{'compiled' if compile_ else 'interp'}"] = timed_batch(schema_prog, batch, engine, compile_,
                                                                        temperature=0.0)
     return res

@@ -112,6 +112,17 @@ class EngineBackend:
         self.engine.add_request(list(prompt_ids), params, request_id=rid)
         return rid
 
+    def pin_prefix(self, prompt_ids: list[int]) -> Any:
+        """Protect a prefilled prefix in the engine's prefix cache (engines with `pin_prefix`); a
+        handle for unpin_prefix, or None."""
+        fn = getattr(self.engine, "pin_prefix", None)
+        return fn(list(prompt_ids)) if fn is not None else None
+
+    def unpin_prefix(self, handle: Any) -> None:
+        fn = getattr(self.engine, "unpin_prefix", None)
+        if handle is not None and fn is not None:
+            fn(handle)
+
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
 

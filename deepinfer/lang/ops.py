@@ -168,7 +168,7 @@ class PrefixOp(Op):
 
     def on_output(self, tag, out):
         if out.finished:
-            self.runtime.open_gate(self.batch)
+            self.runtime.prefix_done(self.batch)
 
     def fail(self, exc):
         # sharing is an optimisation: on failure just let the programs' own requests through

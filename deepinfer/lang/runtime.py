@@ -95,6 +95,7 @@ class Batch:
             self.gate = "collect" if share_prefix and self.n > 1 else "open"
         self.held: list[tuple] = []
         self.prefix_ids: list[int] | None = None
+        self.pin: Any = None  # the engine's pin of the planned prefix, released when the batch ends
 
 
 def _common_prefix(seqs: list[list[int]]) -> list[int]:
@@ -176,6 +177,15 @@ class Runtime:
             prog.waiting = None
             self._ready.append(prog)
 
+    def prefix_done(self, batch: Batch) -> None:
+        """The batch's shared prefix is prefilled: pin a planned one for the batch's lifetime, open the gate."""
+        if batch.planned_prefix is not None and batch.prefix_ids and batch.finished < batch.n:
+            try:
+                batch.pin = self.backend.pin_prefix(batch.prefix_ids)
+            except Exception:  # pinning is an optimisation
+                batch.pin = None
+        self.open_gate(batch)
+
     def open_gate(self, batch: Batch) -> None:
         """Let a batch's held requests through (its shared prefix is cached, or sharing is off)."""
         if batch.gate != "open":
@@ -252,6 +262,9 @@ class Runtime:
         b.active -= 1
         b.finished += 1
         b.programs[prog.index] = None  # the state keeps what the caller needs
+        if b.finished == b.n and b.pin is not None:
+            self.backend.unpin_prefix(b.pin)
+            b.pin = None
         with prog.cv:
             prog.done.set()
             prog.cv.notify_all()

@@ -233,3 +233,26 @@ def test_compile_false_and_positional_tuples_and_bind(engine):
         greet.bind(nope=1)
     with pytest.raises(InvalidRequestError, match="tuple"):
         greet.run_batch([5], backend=engine)
+
+
+def test_planned_prefix_is_pinned_while_the_batch_runs():
+    events = []
+
+    class PinningEngine(FakeEngine):
+        def pin_prefix(self, ids):
+            events.append(("pin", len(ids), self.has_unfinished()))
+            return "handle"
+
+        def unpin_prefix(self, handle):
+            events.append(("unpin", handle, self.has_unfinished()))
+
+    eng = PinningEngine()
+    docs = [f"Person {i} lives in Paris." for i in range(5)]
+    states = three_stage.run_batch([{"doc": d} for d in docs], backend=eng, temperature=0.0)
+    assert all(st.ok for st in states)
+    prefix_len = len(next(ids for _, ids, p in eng.log if p.max_tokens == 0))
+    assert events[0][:2] == ("pin", prefix_len) and events[-1][:2] == ("unpin", "handle") and len(events) == 2
+    # interpreted: the collected prefix is shared but not pinned
+    events.clear()
+    three_stage.run_batch([{"doc": d} for d in docs], backend=PinningEngine(), temperature=0.0, compile=False)
+    assert events == []
