@@ -208,6 +208,11 @@ def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[st
     those surface in that program's state when it runs, exactly as interpreted.
     """
     args, kwargs = jobs[0]
+    if len(jobs) == 1:  # one program: nothing varies, so no argument analysis (one trace, not 1 + 2 x args)
+        nodes, _, _ = _run_once(func, args, kwargs)
+        plan = BatchPlan()
+        plan.compiles = sum(bool(backend.precompile(p)) for p in constraint_params(nodes, defaults))
+        return plan
     try:
         result = trace_function(func, args, kwargs)
     except InvalidRequestError:

@@ -178,6 +178,11 @@ def test_every_distinct_constraint_is_precompiled_once():
     eng2 = _CompileCountingEngine()
     typed.run_batch(batch, backend=eng2, temperature=0.0, compile=False)
     assert eng2.precompiled == []
+    eng3 = _CompileCountingEngine()  # run() and arun() compile their constraints ahead too
+    assert typed.run(schemas[0], 0, backend=eng3, temperature=0.0).ok
+    assert len(eng3.precompiled) == 2
+    assert typed.run(schemas[0], 0, backend=eng3, temperature=0.0, compile=False).ok
+    assert len(eng3.precompiled) == 2
 
 
 def test_runtime_parks_requests_whose_constraint_still_compiles():
