@@ -210,7 +210,7 @@ def timed_batch(prog, batch, engine, compile_: bool, **kw) -> tuple[float, float
     return wall, (proxy.first or time.perf_counter()) - t
 
 
-def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens: int) -> dict:
+def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens: int, parts: str = "abc") -> dict:
     res = {}
     reviews = [f"I bought the {SUBJECTS[i % len(SUBJECTS)]} kit #{i}; it works, but the box was damaged."
                for i in range(records)]
@@ -220,6 +220,8 @@ def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens:
         "b": (tree_step, [{"task": t, "tokens": tokens} for t in tasks], {}),
     }
     for key, (prog, batch, kw) in workloads.items():
+        if key not in parts:
+            continue
         prog.run_batch(batch[:2], backend=engine, **kw)  # warm-up (and the shared schema's compile)
         # alternate the modes twice and keep each one's best: the machine is shared and noisy
         for _ in range(2):
@@ -227,7 +229,7 @@ def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens:
                 name = f"{key}_{'compiled' if compile_ else 'interp'}"
                 got = timed_batch(prog, batch, engine, compile_, **kw)
                 res[name] = tuple(map(min, zip(res[name], got))) if name in res else got
-    for compile_ in (False, True):
+    for compile_ in ((False, True) if "c" in parts else ()):
         tag = "c" if compile_ else "i"
         batch = [{"i": i, "schema": sc, "tokens": 24} for i, sc in enumerate(distinct_schemas(n_schemas, tag))]
         res[f"c_{'compiled' if compile_ else 'interp'}"] = timed_batch(schema_prog, batch, engine, compile_,
@@ -244,6 +246,7 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=100, help="programs (and distinct schemas) of workload 5c")
     ap.add_argument("--kv-cache-mib", type=int, default=512)
     ap.add_argument("--only", default="batch,sharing,frontend,compiler", help="comma-separated sections to run")
+    ap.add_argument("--parts", default="abc", help="which compiler workloads (a, b, c) to run")
     args = ap.parse_args()
     only = set(args.only.split(","))
 
@@ -268,10 +271,12 @@ def main() -> None:
         print(f"[frontend] {f['us_per_gen_frontend']:.0f} us per gen call on the FakeEngine "
               f"({f['us_per_gen_total']:.0f} us incl. the fake engine)")
     if "compiler" in only:
-        c = bench_compiler(on, args.records, args.questions, args.schemas, args.tokens)
+        c = bench_compiler(on, args.records, args.questions, args.schemas, args.tokens, args.parts)
         names = {"a": f"3-stage x {args.records} records", "b": f"fork(4) tree step x {args.questions}",
                  "c": f"{args.schemas} distinct JSON schemas"}
         for key, name in names.items():
+            if key not in args.parts:
+                continue
             (iw, it), (cw, ct) = c[f"{key}_interp"], c[f"{key}_compiled"]
             print(f"[compiler {key}] {name}: interpreted {iw:.2f}s (first token {it:.2f}s), compiled {cw:.2f}s "
                   f"(first token {ct:.2f}s) -> wall {iw / cw:.2f}x, first output {it / ct:.2f}x sooner")
