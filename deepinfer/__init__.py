@@ -25,12 +25,15 @@ __version__ = "0.1.0"
 
 # the program DSL (deepinfer.lang): importing it does not import torch
 from deepinfer.lang import (  # noqa: E402
+    ProgramCheckError,
     ProgramState,
     assistant,
     assistant_begin,
     assistant_end,
     function,
     gen,
+    gen_int,
+    gen_string,
     greedy_token_selection,
     select,
     set_default_backend,

@@ -192,6 +192,28 @@ class Engine:
         self.stats.prompt_tokens += len(ids)
         return request_id
 
+    def pin_prefix(self, token_ids: list[int]):
+        """Keep the cached KV of token_ids' longest cached prefix from eviction until
+        unpin_prefix(handle); returns the handle (None when nothing is cached)."""
+        radix = self.kv.radix
+        if radix is None:
+            return None
+        m = radix.match_prefix(list(token_ids))
+        if m.num_tokens == 0:
+            return None
+        radix.lock(m.node)
+        return m.node
+
+    def unpin_prefix(self, handle) -> None:
+        """Release a pin_prefix handle."""
+        if handle is not None and self.kv.radix is not None:
+            self.kv.radix.unlock(handle)
+
+    def precompile(self, params: SamplingParams):
+        """Start compiling params' constraint in the grammar compile threads; a Future of it (None when
+        unconstrained or malformed: add_request reports that). add_request then finds it cached."""
+        return self.structured.precompile(params)
+
     def fork(self, request_id: str, n: int, params: SamplingParams | list[SamplingParams] | None = None) -> list[str]:
         """Start n child requests that continue from a running request's tokens so far.
 

@@ -10,6 +10,7 @@ no valid mask and are never accepted.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -31,10 +32,35 @@ class StructuredOutputs:
         self.stats = stats
         self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
         self._uploader = None  # pinned host -> device copy of each step's mask (non-CPU logits)
+        self._compiler_lock = threading.Lock()
 
     @property
     def token_bytes(self) -> list[bytes | None]:
         return self._compiler.token_bytes
+
+    def _spec(self, p: SamplingParams):
+        from deepinfer.grammar import GrammarCompiler, spec_from_params
+
+        spec = spec_from_params(
+            regex=p.regex, json_schema=p.json_schema, grammar=p.grammar, choices=p.choices, dtype=p.dtype,
+            json_object=p.json_object,
+        )
+        with self._compiler_lock:  # precompile() may come from another thread than the step loop
+            if spec is not None and self._compiler is None:
+                self._compiler = GrammarCompiler(
+                    self.tokenizer.hf, self.vocab_size, self.eos_token_ids, backend=self.backend,
+                    fallback=self.fallback, compile_timeout=self.compile_timeout,
+                )
+        return spec
+
+    def precompile(self, params: SamplingParams):
+        """A Future of compiling params' constraint in the compiler's threads (None: nothing to compile,
+        or a malformed spec, which add_request reports). attach() then waits on / reuses it."""
+        try:
+            spec = self._spec(params)
+        except Exception:
+            return None
+        return None if spec is None else self._compiler.compile_async(spec)
 
     def attach(self, seq: Sequence, params: SamplingParams, wait: float | None = None) -> None:
         """Give seq a matcher for its constraint (if any). Raises GrammarError for an invalid spec.
@@ -45,20 +71,9 @@ class StructuredOutputs:
         `finish_attach` (so a slow schema never stalls the other requests' steps)."""
         from concurrent.futures import TimeoutError as FutureTimeout
 
-        from deepinfer.grammar import GrammarCompiler, spec_from_params
-
-        p = params
-        spec = spec_from_params(
-            regex=p.regex, json_schema=p.json_schema, grammar=p.grammar, choices=p.choices, dtype=p.dtype,
-            json_object=p.json_object,
-        )
+        spec = self._spec(params)
         if spec is None:
             return
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(
-                self.tokenizer.hf, self.vocab_size, self.eos_token_ids, backend=self.backend, fallback=self.fallback,
-                compile_timeout=self.compile_timeout,
-            )
         if wait is None or self._compiler.is_cached(spec):
             self._bind(seq, *self._compiler.compile(spec))
             return

@@ -73,6 +73,27 @@ def check_job_options(opts: JobOptions) -> None:
         SamplingParams(**opts.sampling)
     except Exception as e:
         raise JobUsageError(str(e)) from e
+    check_program(program, opts)
+
+
+def check_program(program: Function, opts: JobOptions) -> None:
+    """The compiler's ahead-of-time checks, traced on the first input record: errors of program
+    lines that no argument changes (so every record would fail) stop the job before the model loads."""
+    from deepinfer.lang.compiler import check_graph
+    from deepinfer.lang.trace import trace_function
+
+    sig = program_signature(program)
+    first = next(iter_records(opts.input, sig, opts.mapping, opts.field, 1), None)
+    if first is None or first.error is not None:
+        return
+    sampling = {k: v for k, v in opts.sampling.items() if k not in sig.names}
+    try:
+        result = trace_function(program.func, (), first.kwargs)
+    except Exception:  # the record does not fit the program: that record's own error when it runs
+        return
+    errors = check_graph(result, sampling, varying=set(result.graph.arguments))
+    if errors:
+        raise JobUsageError(f"program check failed: {errors[0]}")
 
 
 def _check_output_writable(path: str) -> None:

@@ -8,6 +8,8 @@ from deepinfer.lang.api import (
     assistant_begin,
     assistant_end,
     gen,
+    gen_int,
+    gen_string,
     select,
     system,
     system_begin,
@@ -23,12 +25,14 @@ from deepinfer.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from deepinfer.lang.compiler import ProgramCheckError
 from deepinfer.lang.function import Function, function
+from deepinfer.lang.graph import Graph
 from deepinfer.lang.runtime import get_runtime
 from deepinfer.lang.state import ForkGroup, ProgramState
 
 __all__ = [
-    "ChoicesMethod", "ForkGroup", "Function", "ProgramState",
+    "ChoicesMethod", "ForkGroup", "Function", "Graph", "ProgramCheckError", "ProgramState", "gen_int", "gen_string",
     "assistant", "assistant_begin", "assistant_end", "function", "gen", "get_default_backend",
     "get_runtime", "greedy_token_selection", "select", "set_default_backend", "system",
     "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized",

@@ -32,6 +32,10 @@ def gen(
     dtype: Any = None,
     return_logprob: bool = False,
     choices_method: ChoicesMethod | str | None = None,
+    n: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool = False,
+    logprob_start_len: int | None = None,
     **extra: Any,
 ) -> Gen | Select:
     """Generate into variable `name` (read it back with `s[name]`).
@@ -41,25 +45,64 @@ def gen(
     pydantic model, TypedDict, ...) or plain dicts; `dtype` (int/float/bool/str) into that type.
     `choices` makes this a `select` (scored, not sampled), as in SGLang. Other SamplingParams
     fields (e.g. repetition_penalty, ignore_eos) may be passed as keywords.
+
+    SGLang names: `n` samples n continuations of the same prompt (the variable becomes the list
+    of their values; the state's text is left as before the gen); `top_logprobs_num` = logprobs
+    with that many alternatives (implies return_logprob); `return_text_in_logprobs` adds each
+    token's text to the meta info; `logprob_start_len` also returns the prompt's logprobs from
+    that token on (meta "input_token_logprobs").
     """
     _check_name(name)
     if choices is not None:
         return select(name, choices, choices_method=choices_method)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise InvalidRequestError(f"gen n must be an int >= 1, got {n!r}")
+    if top_logprobs_num is not None:
+        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise InvalidRequestError(f"top_logprobs_num must be an int >= 0, got {top_logprobs_num!r}")
+        return_logprob = True
+        extra["logprobs"] = top_logprobs_num
+    if logprob_start_len is not None:
+        if not isinstance(logprob_start_len, int) or logprob_start_len < 0:
+            raise InvalidRequestError(f"logprob_start_len must be an int >= 0, got {logprob_start_len!r}")
+        return_logprob = True
+        extra["prompt_logprobs"] = top_logprobs_num or 0
+        extra["prompt_logprobs_start"] = logprob_start_len
+    if return_text_in_logprobs:
+        return_logprob = True
     sampling = dict(
         max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, regex=regex,
         json_schema=json_schema, grammar=grammar, dtype=dtype, **extra,
     )
-    return Gen(name, {k: v for k, v in sampling.items() if v is not None}, bool(return_logprob))
+    return Gen(name, {k: v for k, v in sampling.items() if v is not None}, bool(return_logprob),
+               n=n, logprob_text=bool(return_text_in_logprobs))
+
+
+def gen_int(name: str | None = None, **kwargs: Any) -> Gen:
+    """SGLang's gen_int: a gen constrained to an integer (`s[name]` is an int)."""
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs: Any) -> Gen:
+    """SGLang's gen_string: a gen constrained to a JSON string literal (`s[name]` is the str)."""
+    return gen(name, dtype=str, **kwargs)
 
 
 def select(
     name: str | None = None,
     choices: list[str] | None = None,
+    temperature: float = 0.0,
     choices_method: ChoicesMethod | str | None = None,
 ) -> Select:
-    """Pick one of `choices` by the model's likelihood (method: see deepinfer.lang.choices)."""
+    """Pick one of `choices` by the model's likelihood (method: see deepinfer.lang.choices).
+
+    `temperature` is accepted for SGLang compatibility; only 0 (pick the best-scored choice) is
+    supported: sampling among choices by score is not implemented.
+    """
     _check_name(name)
+    if not isinstance(temperature, (int, float)) or temperature != 0:
+        raise InvalidRequestError(f"select supports temperature=0 only (the best-scored choice), got {temperature!r}")
     if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise InvalidRequestError(f"select needs a non-empty list of non-empty strings, got {choices!r}")
     return Select(name, list(choices), resolve_method(choices_method))

@@ -12,8 +12,11 @@ from typing import Any, Callable, Iterable
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import InvalidRequestError
 from deepinfer.lang.backend import get_default_backend
+from deepinfer.lang.compiler import check_graph, plan_batch
+from deepinfer.lang.graph import Graph
 from deepinfer.lang.runtime import Runtime, get_runtime
 from deepinfer.lang.state import ProgramState
+from deepinfer.lang.trace import trace_function
 
 # Keyword arguments of run/run_batch/arun that set default sampling parameters for every gen
 # (unless the program's function itself declares a parameter of that name).
@@ -42,6 +45,41 @@ class Function:
     def __call__(self, s: ProgramState, *args: Any, **kwargs: Any) -> Any:
         return self.func(s, *args, **kwargs)
 
+    # ------------------------------------------------------------------ compiler
+    def trace(self, *args: Any, **kwargs: Any) -> Graph:
+        """The program's graph, traced with these example arguments (no model needed; see trace.py)."""
+        return trace_function(self.func, args, kwargs).graph
+
+    def graph(self, *args: Any, format: str = "text", **kwargs: Any) -> str:
+        """`trace(...)` rendered as text (format="text") or Graphviz dot (format="dot")."""
+        if format not in ("text", "dot"):
+            raise InvalidRequestError(f"graph format must be 'text' or 'dot', got {format!r}")
+        g = self.trace(*args, **kwargs)
+        return g.to_dot() if format == "dot" else g.to_text()
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        """Ahead-of-time checks with these example arguments; raises ProgramCheckError naming the
+        program line of the first problem (undefined variable, select without choices, invalid
+        regex / schema, unknown or bad sampling arguments). Keyword arguments named like
+        SamplingParams fields are run-level defaults, as in `run`."""
+        prog_kwargs, sampling = self._split(kwargs)
+        defaults = self._check_defaults(sampling)
+        errors = check_graph(trace_function(self.func, args, prog_kwargs), defaults)
+        if errors:
+            raise errors[0]
+
+    def bind(self, **kwargs: Any) -> "Function":
+        """A copy of this program with some arguments fixed (SGLang's `Function.bind`)."""
+        unknown = [k for k in kwargs if k not in self._arg_names]
+        if unknown and not any(p.kind is p.VAR_KEYWORD for p in self._sig.parameters.values()):
+            raise InvalidRequestError(f"bind: program {self.func.__name__!r} has no argument(s) {unknown}")
+        return Function(functools.partial(self.func, **kwargs))
+
+    def _plan(self, jobs: list, defaults: dict, runtime: Runtime, share_prefix: bool) -> list | None:
+        """Compile the batch (compiler.plan_batch); returns the static prefix leaves to share."""
+        plan = plan_batch(self.func, jobs, defaults, runtime.backend, share_prefix)
+        return plan.probes if plan.prefix else None
+
     # ------------------------------------------------------------------ helpers
     def _split(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         prog, sampling = {}, {}
@@ -62,7 +100,8 @@ class Function:
         return get_runtime(backend if backend is not None else get_default_backend())
 
     # ------------------------------------------------------------------ entry points
-    def run(self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any) -> ProgramState:
+    def run(self, *args: Any, stream: bool = False, backend: Any = None, compile: bool = True,
+            **kwargs: Any) -> ProgramState:
         """Run the program once and return its final state (errors are in `state.error()`).
 
         Keyword arguments named like SamplingParams fields (temperature, max_tokens, ...) are
@@ -71,7 +110,10 @@ class Function:
         """
         prog_kwargs, sampling = self._split(kwargs)
         defaults = self._check_defaults(sampling)
-        batch = self._runtime(backend).submit(self.func, [(args, prog_kwargs)], defaults, window=1, stream=stream)
+        runtime = self._runtime(backend)
+        if compile:
+            self._plan([(args, prog_kwargs)], defaults, runtime, False)
+        batch = runtime.submit(self.func, [(args, prog_kwargs)], defaults, window=1, stream=stream)
         if stream:
             return batch.programs[0].state
         return batch.futures[0].result()
@@ -84,26 +126,38 @@ class Function:
         progress_bar: bool = False,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         share_prefix: bool = True,
+        compile: bool = True,
         **sampling: Any,
     ) -> list[ProgramState]:
-        """Run the program once per kwargs dict; states come back in input order.
+        """Run the program once per item (a dict of keyword arguments, or a tuple / list of
+        positional ones); states come back in input order.
 
-        At most `max_in_flight` programs are live at once. With share_prefix the longest common
-        token prefix of the first wave's first requests is prefilled once before they run.
+        At most `max_in_flight` programs are live at once. With compile (the default) the
+        program is traced first: the text no varying argument changes is prefilled once for the
+        batch (with share_prefix) and every distinct constraint starts compiling at once
+        (compiler.py). compile=False runs purely interpreted: then with share_prefix the longest
+        common token prefix of the first wave's first requests is prefilled once before they run.
         One program's error is captured in its state and never stops the others.
         """
         jobs = []
         for i, kw in enumerate(batch_kwargs):
-            if not isinstance(kw, dict):
-                raise InvalidRequestError(f"run_batch item {i} must be a dict of arguments, got {type(kw).__name__}")
-            jobs.append(((), dict(kw)))
+            if isinstance(kw, dict):
+                jobs.append(((), dict(kw)))
+            elif isinstance(kw, (tuple, list)):
+                jobs.append((tuple(kw), {}))
+            else:
+                raise InvalidRequestError(
+                    f"run_batch item {i} must be a dict of arguments or a tuple of positional ones, "
+                    f"got {type(kw).__name__}")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise InvalidRequestError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         defaults = self._check_defaults(sampling)
         if not jobs:
             return []
-        batch = self._runtime(backend).submit(
-            self.func, jobs, defaults, window=max_in_flight, share_prefix=share_prefix
+        runtime = self._runtime(backend)
+        prefix = self._plan(jobs, defaults, runtime, share_prefix) if compile else None
+        batch = runtime.submit(
+            self.func, jobs, defaults, window=max_in_flight, share_prefix=share_prefix, prefix=prefix
         )
         if progress_bar:
             from tqdm import tqdm
@@ -124,11 +178,14 @@ class Function:
         defaults = self._check_defaults(sampling)
         return self._runtime(backend).submit(self.func, [(args, prog_kwargs)], defaults, window=1).futures[0]
 
-    async def arun(self, *args: Any, backend: Any = None, **kwargs: Any) -> ProgramState:
+    async def arun(self, *args: Any, backend: Any = None, compile: bool = True, **kwargs: Any) -> ProgramState:
         """Run the program from asyncio; concurrent `arun` calls share the engine's batches."""
         prog_kwargs, sampling = self._split(kwargs)
         defaults = self._check_defaults(sampling)
-        batch = self._runtime(backend).submit(self.func, [(args, prog_kwargs)], defaults, window=1)
+        runtime = self._runtime(backend)
+        if compile:
+            self._plan([(args, prog_kwargs)], defaults, runtime, False)
+        batch = runtime.submit(self.func, [(args, prog_kwargs)], defaults, window=1)
         return await asyncio.wrap_future(batch.futures[0])
 
 

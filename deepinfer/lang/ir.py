@@ -67,6 +67,8 @@ class Gen(Expr):
     name: str | None
     sampling: dict[str, Any]
     return_logprob: bool = False
+    n: int | None = None  # SGLang's gen(n=): n samples, the variable is their list
+    logprob_text: bool = False  # meta info also holds each token's text
 
 
 @dataclass(eq=False)

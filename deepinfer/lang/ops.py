@@ -52,9 +52,8 @@ class Op:
     def fail(self, exc: BaseException) -> None:
         """Called once when the op cannot complete (submission error, engine error, bug)."""
         st = self.state
-        if st is not None and st._op is self:
-            st._set_error(exc)
-            st._prog.runtime.state_idle(st)
+        if st is not None and st.current_op is self:
+            st.fail(exc)
 
 
 class GenOp(Op):
@@ -69,12 +68,34 @@ class GenOp(Op):
         yield None, self.prompt, self.params
 
     def on_output(self, tag, out):
-        if out.delta_text and self.state._chunks is not None:
+        if out.delta_text and self.state.streaming:
             self.streamed += out.delta_text
-            self.state._emit(self.expr.name, out.delta_text)
+            self.state.stream_delta(self.expr.name, out.delta_text)
         if out.finished:
             _check_finished(f"gen {self.expr.name!r}", out)
-            self.state._finish_gen(self, out)
+            self.state.finish_gen(self, out)
+
+
+class MultiGenOp(Op):
+    """gen(n=k): k requests with the same prompt (seeded ones get seeds seed, seed+1, ...)."""
+
+    def __init__(self, state: "ProgramState", expr: Any, params: list[SamplingParams], prompt: list[int]) -> None:
+        super().__init__(state)
+        self.expr, self.all_params, self.prompt = expr, params, prompt
+        self.params = params[0]
+        self.outs: dict[int, RequestOutput] = {}
+
+    def requests(self):
+        for i, p in enumerate(self.all_params):
+            yield i, self.prompt, p
+
+    def on_output(self, tag, out):
+        if not out.finished:
+            return
+        _check_finished(f"gen {self.expr.name!r} sample {tag}", out)
+        self.outs[tag] = out
+        if len(self.outs) == len(self.all_params):
+            self.state.finish_gen_n(self, [self.outs[i] for i in range(len(self.all_params))])
 
 
 class SelectOp(Op):
@@ -85,9 +106,11 @@ class SelectOp(Op):
     [BOS] + choice ids alone, for unconditional_likelihood_normalized.
     """
 
-    def __init__(self, state: "ProgramState", expr: Any, prompt: list[int], choice_ids: list[list[int]]) -> None:
+    def __init__(self, state: "ProgramState", expr: Any, prompt: list[int], choice_ids: list[list[int]],
+                 bos_token_id: int | None) -> None:
         super().__init__(state)
         self.expr, self.prompt, self.choice_ids = expr, prompt, choice_ids
+        self.bos_token_id = bos_token_id
         self.method = expr.method
         self.outs: dict[Any, RequestOutput] = {}
         self.need = len(choice_ids) * (2 if self.method.needs_unconditional else 1)
@@ -97,8 +120,7 @@ class SelectOp(Op):
         for i, ids in enumerate(self.choice_ids):
             yield ("c", i), self.prompt + ids, params
         if self.method.needs_unconditional:
-            bos = self.state._be.bos_token_id
-            head = [bos] if bos is not None else []
+            head = [self.bos_token_id] if self.bos_token_id is not None else []
             params = _scoring_params(len(head))
             for i, ids in enumerate(self.choice_ids):
                 yield ("u", i), head + ids, params
@@ -131,7 +153,7 @@ class SelectOp(Op):
             "num_cached_tokens": [self.outs[("c", i)].num_cached_tokens for i in range(k)],
             **scores,
         }
-        self.state._finish_select(self, index, meta)
+        self.state.finish_select(self, index, meta)
 
 
 class PrefixOp(Op):
@@ -146,7 +168,7 @@ class PrefixOp(Op):
 
     def on_output(self, tag, out):
         if out.finished:
-            self.runtime.open_gate(self.batch)
+            self.runtime.prefix_done(self.batch)
 
     def fail(self, exc):
         # sharing is an optimisation: on failure just let the programs' own requests through

@@ -67,8 +67,8 @@ class Program:
             # the program returned: finish what it left in flight (forks included); a fork's
             # failure surfaces where the program reads that fork, the root's failure here
             self.runtime.wait(self, list(self.states))
-            if self.state._error is not None:
-                raise self.state._error
+            if self.state.failure is not None:
+                raise self.state.failure
         except Exception as e:  # captured per program, never aborts the batch
             self.error = e
 
@@ -77,7 +77,7 @@ class Batch:
     """Programs submitted together: the window bounds how many are live at once."""
 
     def __init__(self, func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict, window: int,
-                 share_prefix: bool, stream: bool) -> None:
+                 share_prefix: bool, stream: bool, prefix: list | None = None) -> None:
         self.func, self.jobs, self.defaults = func, jobs, defaults
         self.window, self.stream = max(1, int(window)), stream
         self.n = len(jobs)
@@ -86,9 +86,16 @@ class Batch:
         self.finished = 0
         self.programs: list[Program | None] = [None] * self.n
         self.futures: list[Future] = [Future() for _ in range(self.n)]
-        self.gate = "collect" if share_prefix and self.n > 1 else "open"
+        # prefix sharing: a planned prefix (from the compiler) is prefilled at once; without one
+        # the first wave's first requests are collected and their common prefix prefilled
+        self.planned_prefix = prefix if prefix and self.n > 1 else None
+        if self.planned_prefix is not None:
+            self.gate = "plan"
+        else:
+            self.gate = "collect" if share_prefix and self.n > 1 else "open"
         self.held: list[tuple] = []
         self.prefix_ids: list[int] | None = None
+        self.pin: Any = None  # the engine's pin of the planned prefix, released when the batch ends
 
 
 def _common_prefix(seqs: list[list[int]]) -> list[int]:
@@ -117,20 +124,24 @@ class Runtime:
         self._batches: list[Batch] = []
         self._ready: deque[Program] = deque()
         self._to_submit: list[tuple] = []
+        self._parked: list[tuple] = []  # requests whose constraint is still being precompiled
         self._reqs: dict[str, tuple[Op, Any]] = {}
         self._thread: threading.Thread | None = None
         self._glet: greenlet.greenlet | None = None
 
     # ------------------------------------------------------------------ entry (any thread)
     def submit(self, func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict, *, window: int = 256,
-               share_prefix: bool = False, stream: bool = False) -> Batch:
-        """Queue a batch of program invocations; returns at once (see Batch.futures)."""
+               share_prefix: bool = False, stream: bool = False, prefix: list | None = None) -> Batch:
+        """Queue a batch of program invocations; returns at once (see Batch.futures).
+
+        `prefix`: the compiler's prefix plan (lists of leaves: the static text and first prompts);
+        their common tokens are prefilled once before the batch's requests go in."""
         if self.in_loop_thread():
             raise ProgramError(
                 "run/run_batch/arun cannot be called inside a running program; call the other "
                 "function directly instead: other(s, ...)"
             )
-        batch = Batch(func, jobs, defaults, window, share_prefix, stream)
+        batch = Batch(func, jobs, defaults, window, share_prefix, stream, prefix)
         if stream:  # the caller needs the state object now, to iterate its text
             for i in range(batch.n):
                 batch.programs[i] = Program(self, batch, i, *jobs[i])
@@ -148,23 +159,32 @@ class Runtime:
     # ------------------------------------------------------------------ called by states / ops
     def enqueue(self, op: Op) -> None:
         """Queue an op's requests for the next submission round."""
-        batch = op.state._prog.batch
+        batch = op.state.program.batch
         for tag, prompt, params in op.requests():
             self._to_submit.append((op, tag, prompt, params, batch))
 
     def wait(self, prog: Program, states: list[Any]) -> None:
         """Suspend `prog` (from its own greenlet) until every state in `states` is idle."""
-        while not all(st._idle() for st in states):
+        while not all(st.idle() for st in states):
             prog.waiting = states
             self._glet.switch()
         prog.waiting = None
 
     def state_idle(self, state: Any) -> None:
         """A state finished its queue: wake its program if that is all it waited for."""
-        prog = state._prog
-        if prog.waiting is not None and all(st._idle() for st in prog.waiting):
+        prog = state.program
+        if prog.waiting is not None and all(st.idle() for st in prog.waiting):
             prog.waiting = None
             self._ready.append(prog)
+
+    def prefix_done(self, batch: Batch) -> None:
+        """The batch's shared prefix is prefilled: pin a planned one for the batch's lifetime, open the gate."""
+        if batch.planned_prefix is not None and batch.prefix_ids and batch.finished < batch.n:
+            try:
+                batch.pin = self.backend.pin_prefix(batch.prefix_ids)
+            except Exception:  # pinning is an optimisation
+                batch.pin = None
+        self.open_gate(batch)
 
     def open_gate(self, batch: Batch) -> None:
         """Let a batch's held requests through (its shared prefix is cached, or sharing is off)."""
@@ -202,12 +222,16 @@ class Runtime:
                 continue
             if self._reqs:
                 self._step()
+            elif self._parked:  # only requests waiting on their compile: wait for one to finish
+                self.backend.wait_compiles(0.05)
             elif any(b.active for b in self._batches):
                 self._fail_stuck()
             self._batches = [b for b in self._batches if b.finished < b.n]
 
     def _admit(self) -> None:
         for b in self._batches:
+            if b.gate == "plan":
+                self._start_planned_prefix(b)
             while b.active < b.window and b.next < b.n:
                 i = b.next
                 b.next += 1
@@ -230,15 +254,17 @@ class Runtime:
 
     def _finish(self, prog: Program) -> None:
         for st in prog.states:  # an error ended the program: drop what it left in flight
-            if st._op is not None:
-                self._cancel(st._op)
-                st._op = None
-            st._queue.clear()
+            op = st.abandon()
+            if op is not None:
+                self._cancel(op)
         prog.greenlet = None
         b = prog.batch
         b.active -= 1
         b.finished += 1
         b.programs[prog.index] = None  # the state keeps what the caller needs
+        if b.finished == b.n and b.pin is not None:
+            self.backend.unpin_prefix(b.pin)
+            b.pin = None
         with prog.cv:
             prog.done.set()
             prog.cv.notify_all()
@@ -262,13 +288,35 @@ class Runtime:
             for tag, prompt, params in op.requests():
                 self._add((op, tag, prompt, params, b))
 
+    def _start_planned_prefix(self, b: Batch) -> None:
+        """The compiler's static prefix: prefill it once now, holding the batch's requests till then."""
+        from deepinfer.lang.state import render_prompt
+
+        try:  # the static text and two programs' first prompts: their common tokens
+            ids = _common_prefix([render_prompt(self.backend, leaves) for leaves in b.planned_prefix])
+        except Exception:  # e.g. a role the template lacks: every program reports it; no sharing
+            ids = []
+        if len(ids) < self.min_shared_prefix:
+            self.open_gate(b)
+            return
+        b.gate = "prefix"
+        b.prefix_ids = ids
+        op = PrefixOp(self, b, ids)
+        self.stats.prefix_requests += 1
+        for tag, prompt, params in op.requests():
+            self._add((op, tag, prompt, params, b))
+
     def _submit(self) -> None:
-        entries, self._to_submit = self._to_submit, []
+        entries, self._to_submit = self._parked + self._to_submit, []
+        self._parked = []
         for e in entries:
             if e[0].cancelled:
                 continue
             if e[4].gate != "open":
                 e[4].held.append(e)
+                continue
+            if self.backend.compiling(e[3]):  # keep stepping the others; submit it once compiled
+                self._parked.append(e)
                 continue
             self._add(e)
 
@@ -330,11 +378,13 @@ class Runtime:
         for b in self._batches:
             for prog in b.programs:
                 if prog is not None and prog.waiting is not None:
-                    for st in prog.waiting:
-                        if not st._idle():
-                            st._set_error(ProgramError("internal: waited on a state with nothing in flight"))
-                    prog.waiting = None
-                    self._ready.append(prog)
+                    for st in list(prog.waiting):
+                        if not st.idle():
+                            st.abandon()
+                            st.fail(ProgramError("internal: waited on a state with nothing in flight"))
+                    if prog.waiting is not None:  # fail() above did not already wake it
+                        prog.waiting = None
+                        self._ready.append(prog)
 
 
 _runtimes: dict[int, tuple[Any, Runtime]] = {}

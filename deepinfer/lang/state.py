@@ -25,7 +25,7 @@ import greenlet
 
 from deepinfer.errors import InvalidRequestError, ProgramError
 from deepinfer.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Seq, Text, as_expr, flatten
-from deepinfer.lang.ops import GenOp, SelectOp
+from deepinfer.lang.ops import GenOp, MultiGenOp, SelectOp
 from deepinfer.lang.values import decode_value
 
 if TYPE_CHECKING:
@@ -45,6 +45,19 @@ class _RoleBlock:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.state._push(RoleEnd(self.role))
+
+
+class _VarScope:
+    def __init__(self, state: "ProgramState", name: str) -> None:
+        self.state, self.name, self.start = state, name, 0
+
+    def __enter__(self) -> "ProgramState":
+        self.start = len(self.state.text())
+        return self.state
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.state[self.name] = self.state.text()[self.start:]
 
 
 class ProgramState:
@@ -114,7 +127,7 @@ class ProgramState:
             raise InvalidRequestError(f"unknown expression {leaf!r}")
 
     def _drain(self) -> None:
-        """Run queued expressions after an op finished (called by the runtime, not user code)."""
+        """Run queued expressions after an op finished."""
         try:
             while self._queue and self._op is None:
                 self._exec(self._queue.popleft())
@@ -128,8 +141,46 @@ class ProgramState:
         self._queue.clear()
         self._op = None
 
-    def _idle(self) -> bool:
+    # ------------------------------------------------------------------ interface for the runtime / ops
+    @property
+    def program(self) -> "Program":
+        """The program invocation this state belongs to."""
+        return self._prog
+
+    @property
+    def current_op(self) -> Any:
+        """The op this state waits on (None when none is in flight)."""
+        return self._op
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that failed this state (its own, not the program's)."""
+        return self._error
+
+    @property
+    def streaming(self) -> bool:
+        """True when the state streams text chunks (run(..., stream=True))."""
+        return self._chunks is not None
+
+    def idle(self) -> bool:
+        """Nothing in flight and nothing queued."""
         return self._op is None and not self._queue
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the state with `exc` (its queue is dropped) and tell the runtime it is idle."""
+        self._set_error(exc)
+        self._prog.runtime.state_idle(self)
+
+    def abandon(self) -> Any:
+        """Drop what is queued and in flight (the program ended); returns the op that was in flight."""
+        op, self._op = self._op, None
+        self._queue.clear()
+        return op
+
+    def stream_delta(self, name: str | None, text: str) -> None:
+        """A generated text delta of variable `name` (streamed states only)."""
+        if self._chunks is not None:
+            self._emit(name, text)
 
     def _append_text(self, text: str, into_role: bool = True) -> None:
         if into_role and self._role is not None and not self._role_buf and self._be.role_format.trim:
@@ -202,7 +253,13 @@ class ProgramState:
         if g.return_logprob:
             fields["logprobs"] = fields.get("logprobs") or 0
         params = self._be.make_params(**fields)
-        self._op = GenOp(self, g, params, list(self._flush_ids()))
+        if g.n is not None:
+            seed = params.seed
+            many = [params if seed is None or i == 0 else self._be.make_params(**{**fields, "seed": seed + i})
+                    for i in range(g.n)]
+            self._op = MultiGenOp(self, g, many, list(self._flush_ids()))
+        else:
+            self._op = GenOp(self, g, params, list(self._flush_ids()))
         self._prog.runtime.enqueue(self._op)
 
     def _start_select(self, sel: Select) -> None:
@@ -211,10 +268,11 @@ class ProgramState:
         for c, ids in zip(sel.choices, choice_ids):
             if not ids:
                 raise InvalidRequestError(f"select choice {c!r} encodes to no tokens")
-        self._op = SelectOp(self, sel, prompt, choice_ids)
+        self._op = SelectOp(self, sel, prompt, choice_ids, self._be.bos_token_id)
         self._prog.runtime.enqueue(self._op)
 
-    def _finish_gen(self, op: GenOp, out: Any) -> None:
+    def finish_gen(self, op: GenOp, out: Any) -> None:
+        """The gen op's request finished with `out`: append its tokens/text, set its variable."""
         self._op = None
         name = op.expr.name
         text = out.text
@@ -224,8 +282,7 @@ class ProgramState:
                                    f"{getattr(out, 'violation', None)}")
             value = decode_value(name, op.params, text)
         except ProgramError as e:
-            self._set_error(e)
-            self._prog.runtime.state_idle(self)
+            self.fail(e)
             return
         ids = list(out.token_ids)
         if ids and out.finish_reason == "stop" and (
@@ -265,12 +322,43 @@ class ProgramState:
                 "num_cached_tokens": out.num_cached_tokens,
             }
             if op.expr.return_logprob:
-                meta["logprobs"] = [lp.logprob for lp in (out.logprobs or [])]
-                meta["top_logprobs"] = [lp.top for lp in (out.logprobs or [])]
+                meta.update(self._logprob_meta(op, out))
             self._set_var(name, value, meta)
         self._drain()
 
-    def _finish_select(self, op: SelectOp, index: int, meta: dict[str, Any]) -> None:
+    def _logprob_meta(self, op: Any, out: Any) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "logprobs": [lp.logprob for lp in (out.logprobs or [])],
+            "top_logprobs": [lp.top for lp in (out.logprobs or [])],
+        }
+        if op.expr.logprob_text:
+            meta["logprob_tokens"] = [self._be.decode([t]) for t in out.token_ids]
+        if op.params.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            start = op.params.prompt_logprobs_start
+            meta["input_token_logprobs"] = [None if lp is None else lp.logprob for lp in out.prompt_logprobs[start:]]
+        return meta
+
+    def finish_gen_n(self, op: Any, outs: list[Any]) -> None:
+        """gen(n=k) finished: the variable is the list of the k values; the text is unchanged."""
+        self._op = None
+        name = op.expr.name
+        try:
+            values = [decode_value(name, op.params, out.text) for out in outs]
+        except ProgramError as e:
+            self.fail(e)
+            return
+        if self._chunks is not None:
+            self._emit(name, None)
+        if name is not None:
+            metas = [{"prompt_tokens": len(op.prompt), "completion_tokens": len(out.token_ids),
+                      "finish_reason": out.finish_reason, "text": out.text,
+                      "num_cached_tokens": out.num_cached_tokens,
+                      **(self._logprob_meta(op, out) if op.expr.return_logprob else {})} for out in outs]
+            self._set_var(name, values, metas)
+        self._drain()
+
+    def finish_select(self, op: SelectOp, index: int, meta: dict[str, Any]) -> None:
+        """The select op decided on choice `index`: append it, set its variable."""
         self._op = None
         choice = op.expr.choices[index]
         self._ids.extend(op.choice_ids[index])
@@ -336,8 +424,8 @@ class ProgramState:
         if prog.greenlet is not None and greenlet.getcurrent() is prog.greenlet:
             prog.runtime.wait(prog, states)
             for st in states:
-                if st._error is not None:
-                    raise st._error
+                if st.failure is not None:
+                    raise st.failure
         elif not prog.done.is_set():
             if prog.runtime.in_loop_thread():
                 raise ProgramError("a program's state was read outside of its own program while it runs")
@@ -452,6 +540,29 @@ class ProgramState:
         if mode == "concat":
             self._push("".join("".join(c._text)[c._fork_text_len:] for c in children))
 
+    def copy(self) -> "ProgramState":
+        """SGLang's `s.copy()`: one fork of this state (same tokens, text, variables)."""
+        return self.fork(1)[0]
+
+    def var_scope(self, name: str) -> "_VarScope":
+        """`with s.var_scope("x"): s += ...` stores the text appended inside the block in `s["x"]`."""
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"var_scope needs a non-empty variable name, got {name!r}")
+        return _VarScope(self, name)
+
+    async def text_async_iter(self, name: str | None = None) -> Any:
+        """`text_iter` for asyncio: `async for piece in state.text_async_iter(): ...`."""
+        import asyncio
+
+        it = self.text_iter(name)
+        loop = asyncio.get_running_loop()
+        done = object()
+        while True:
+            piece = await loop.run_in_executor(None, next, it, done)
+            if piece is done:
+                return
+            yield piece
+
     def __repr__(self) -> str:
         status = "running" if not self._prog.done.is_set() else ("ok" if self.error() is None else "error")
         return f"<ProgramState {status} vars={sorted(self._vars)}>"
@@ -484,3 +595,23 @@ class ForkGroup(list):
     def join(self, mode: str = "gather") -> None:
         """Gather the children's variables into the parent (see ProgramState.join)."""
         self.parent.join(list(self), mode=mode)
+
+
+class _Detached:
+    """The minimum of a Program a state needs to render text without running (see render_prefix)."""
+
+    def __init__(self, backend: Any) -> None:
+        import threading
+
+        self.backend, self.stream, self.states, self.defaults = backend, False, [], {}
+        self.done = threading.Event()
+        self.runtime = None
+
+
+def render_prompt(backend: Any, leaves: list[Expr]) -> list[int]:
+    """Token ids of text / role leaves rendered exactly as a program's state renders them (BOS,
+    chat-template role text, trimming); for the runtime's prefix plan."""
+    st = ProgramState(_Detached(backend))  # type: ignore[arg-type]
+    for leaf in leaves:
+        st._exec(leaf)
+    return list(st._flush_ids())

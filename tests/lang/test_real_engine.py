@@ -44,3 +44,24 @@ def test_greedy_is_deterministic_across_batching(engine):
     one = chat.run(name="Dan", backend=engine, temperature=0.0)
     many = chat.run_batch([{"name": n} for n in ("Dan", "Eve")], backend=engine, temperature=0.0)
     assert one["hello"] == many[0]["hello"]
+
+
+def test_planned_prefix_pinned_in_the_radix_cache_during_the_batch(engine):
+    radix = engine.kv.radix
+    seen = []
+
+    @di.function
+    def probe(s, name):
+        s += di.system("You are a helpful assistant. Answer in one short sentence, please.")
+        s += di.user(f"Say hello to {name}.")
+        s += di.assistant(di.gen("hello", max_tokens=4))
+        if isinstance(s, di.ProgramState):  # not while the compiler traces it
+            seen.append((s["hello"], radix.protected_blocks))
+
+    engine.reset_prefix_cache()
+    base = radix.protected_blocks
+    states = probe.run_batch([{"name": n} for n in ("Ann", "Ben", "Cy")], backend=engine, temperature=0.0)
+    assert all(st.ok for st in states)
+    assert len(seen) == 3 and min(n for _, n in seen) > base, seen  # the shared prefix stayed locked
+    assert radix.protected_blocks == base  # and was released with the batch
+    radix.check_invariants()

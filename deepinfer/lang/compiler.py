@@ -1,0 +1,240 @@
+"""The passes run on a traced program before its batch starts (see trace.py for the graph).
+
+1. `check_graph`: ahead-of-time checks of every traced gen / select — sampling arguments that
+   SamplingParams refuses (unknown names, bad values), constraints that are invalid whatever the
+   backend (malformed JSON schema, regex that does not parse or matches nothing), plus what the
+   trace itself caught (a read of an undefined variable, `select` without choices). Errors name
+   the program line. Needs no model.
+2. `constraint_params`: every distinct constrained gen's SamplingParams, for compiling them all
+   up front in the engine's compile threads (`plan_batch` starts those compiles).
+3. `static_prefix`: the leaves at the start of the program that no varying argument changes
+   (the text to prefill once for the whole batch), cut where the first varying argument enters.
+
+Compiled runs execute exactly as interpreted ones (the program still runs op by op on its real
+state); the plan only adds the shared prefill and the early compiles, so results are identical.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.errors import GrammarError, InvalidRequestError
+from deepinfer.lang.backend import constraint_key
+from deepinfer.lang.graph import Graph, Node
+from deepinfer.lang.ir import Expr, RoleBegin, RoleEnd, Text
+from deepinfer.lang.trace import TraceResult, _run_once, trace_function
+
+
+class ProgramCheckError(InvalidRequestError):
+    """An ahead-of-time check found an error in a program (the message names the line)."""
+
+
+def gen_params(node: Node, defaults: dict[str, Any]) -> SamplingParams:
+    """The SamplingParams a gen node's request would carry (as ProgramState builds them)."""
+    fields = {**defaults, **(node.sampling or {})}
+    if getattr(node.expr, "return_logprob", False):
+        fields["logprobs"] = fields.get("logprobs") or 0
+    return SamplingParams(**fields)
+
+
+def _check_regex(pattern: str) -> None:
+    from deepinfer.grammar.emptiness import regex_is_empty
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            re.compile(pattern)
+    except re.error as e:
+        raise GrammarError(f"regex {pattern!r} does not parse: {e}") from None
+    if regex_is_empty(pattern):
+        raise GrammarError(f"regex {pattern!r} matches no string")
+
+
+def check_node(node: Node, defaults: dict[str, Any]) -> None:
+    """Raise the error a gen node's request would fail with (InvalidRequestError / GrammarError)."""
+    if node.kind != "gen":
+        return
+    try:
+        params = gen_params(node, defaults)
+    except TypeError as e:  # an unknown keyword
+        raise InvalidRequestError(f"unknown sampling argument: {e}") from None
+    from deepinfer.grammar import spec_from_params
+    from deepinfer.grammar.exactness import check_spec
+
+    spec = spec_from_params(regex=params.regex, json_schema=params.json_schema, grammar=params.grammar,
+                            choices=params.choices, dtype=params.dtype, json_object=params.json_object)
+    if spec is None:
+        return
+    check_spec(spec)
+    if spec.kind == "regex":
+        _check_regex(spec.text)
+
+
+def check_graph(result: TraceResult, defaults: dict[str, Any], varying: set[str] | None = None) -> list[ProgramCheckError]:
+    """Every ahead-of-time error of a trace, each naming its program line.
+
+    With `varying` (the arguments that differ across a batch), only errors of nodes that no
+    varying argument changes are reported: those would fail every program of the batch.
+    """
+    errors: list[ProgramCheckError] = []
+    where = result.graph.file or result.graph.name
+    for node in result.graph.nodes:
+        if varying is not None and node.args & varying:
+            continue
+        if node.kind == "gen":
+            try:
+                check_node(node, defaults)
+            except (InvalidRequestError, GrammarError) as e:
+                errors.append(ProgramCheckError(f"{where}, line {node.line}: gen {node.name!r}: {e}"))
+        elif node.kind == "break" and result.error is not None:
+            errors.append(ProgramCheckError(f"{where}, line {node.line}: {result.error}"))
+    return errors
+
+
+def constraint_params(nodes: list[Node], defaults: dict[str, Any]) -> list[SamplingParams]:
+    """The SamplingParams of every valid constrained gen among `nodes`, one per distinct constraint."""
+    out, seen = [], set()
+    for node in nodes:
+        if node.kind != "gen":
+            continue
+        try:
+            check_node(node, defaults)
+            p = gen_params(node, defaults)
+        except Exception:  # its request fails on its own, with the same error
+            continue
+        if not p.constrained:
+            continue
+        key = constraint_key(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def static_prefix(graph: Graph, varying: set[str]) -> list[Expr]:
+    """The leaves every program of the batch starts with: the root state's text and roles before
+    its first gen / select / fork / read, cut at the first character a varying argument changes."""
+    leaves: list[Expr] = []
+    for node in graph.nodes:
+        if node.branch != "s" or node.kind not in ("text", "role_begin", "role_end") or node.reads:
+            break
+        dep = node.args & varying
+        if node.kind == "text":
+            if dep:
+                cut = node.arg_offset or 0
+                if cut:
+                    leaves.append(Text(node.text[:cut]))
+                break
+            leaves.append(Text(node.text))
+        elif dep:
+            break
+        else:
+            leaves.append(RoleBegin(node.text) if node.kind == "role_begin" else RoleEnd(node.text))
+    return leaves
+
+
+def first_prompt(nodes: list[Node]) -> list[Expr]:
+    """The root state's text and role leaves before its first gen / select / fork / read."""
+    leaves: list[Expr] = []
+    for node in nodes:
+        if node.branch != "s" or node.kind not in ("text", "role_begin", "role_end") or node.reads:
+            break
+        if node.kind == "text":
+            leaves.append(Text(node.text))
+        else:
+            leaves.append(RoleBegin(node.text) if node.kind == "role_begin" else RoleEnd(node.text))
+    return leaves
+
+
+def varying_arguments(func: Callable, jobs: list[tuple[tuple, dict]]) -> set[str]:
+    """Names of the arguments whose values are not all equal across `jobs`."""
+    import inspect
+
+    sig = inspect.signature(func)
+    first = list(sig.parameters)[0]
+    seen: dict[str, Any] = {}
+    varying: set[str] = set()
+    for args, kwargs in jobs:
+        try:
+            bound = sig.bind(None, *args, **kwargs)
+        except TypeError:
+            continue  # this program fails on its own when it runs
+        for name, value in bound.arguments.items():
+            if name == first or name in varying:
+                continue
+            if name not in seen:
+                seen[name] = value
+            else:
+                try:
+                    same = bool(seen[name] == value) and type(seen[name]) is type(value)
+                except Exception:
+                    same = False
+                if not same:
+                    varying.add(name)
+    # an argument some jobs pass and others leave to its default varies too
+    names = [set(sig.bind_partial(None, *a, **k).arguments) for a, k in jobs[:1]]
+    for args, kwargs in jobs[1:]:
+        try:
+            have = set(sig.bind_partial(None, *args, **kwargs).arguments)
+        except TypeError:
+            continue
+        varying |= have ^ names[0]
+    return varying
+
+
+@dataclass
+class BatchPlan:
+    """What the runtime gets from compiling a batch: the shared prefix and the early compiles."""
+
+    graph: Graph | None = None
+    prefix: list[Expr] = field(default_factory=list)
+    # the static prefix plus the first prompts of two programs: the runtime prefills the longest
+    # common token prefix of their renderings (so no token straddles the static text's end)
+    probes: list[list[Expr]] = field(default_factory=list)
+    compiles: int = 0  # distinct constraints whose compile was started
+
+
+def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[str, Any], backend: Any,
+               share_prefix: bool) -> BatchPlan:
+    """Trace the batch's first program and plan the batch (see the module docstring).
+
+    Starts the compile of every distinct constraint of every program through
+    `backend.precompile`: from the first trace, plus one plain trace per further program when
+    a constrained gen depends on a varying argument. Never raises for a program's own errors:
+    those surface in that program's state when it runs, exactly as interpreted.
+    """
+    args, kwargs = jobs[0]
+    if len(jobs) == 1:  # one program: nothing varies, so no argument analysis (one trace, not 1 + 2 x args)
+        nodes, _, _ = _run_once(func, args, kwargs)
+        plan = BatchPlan()
+        plan.compiles = sum(bool(backend.precompile(p)) for p in constraint_params(nodes, defaults))
+        return plan
+    try:
+        result = trace_function(func, args, kwargs)
+    except InvalidRequestError:
+        return BatchPlan()
+    graph = result.graph
+    varying = varying_arguments(func, jobs) if len(jobs) > 1 else set()
+    plan = BatchPlan(graph=graph)
+    if share_prefix and len(jobs) > 1:
+        plan.prefix = static_prefix(graph, varying)
+        last, _, _ = _run_once(func, *jobs[-1])
+        plan.probes = [plan.prefix, first_prompt(graph.nodes), first_prompt(last)]
+    params = constraint_params(graph.nodes, defaults)
+    per_program = any(n.kind == "gen" and n.args & varying for n in graph.nodes)
+    if per_program:
+        keys = {constraint_key(p) for p in params}
+        for a, k in jobs[1:]:
+            nodes, _, _ = _run_once(func, a, k)
+            for p in constraint_params(nodes, defaults):
+                if constraint_key(p) not in keys:
+                    keys.add(constraint_key(p))
+                    params.append(p)
+    for p in params:
+        if backend.precompile(p):
+            plan.compiles += 1
+    return plan
