@@ -48,6 +48,7 @@ def validate_options(program: Function, opts: JobOptions) -> None:
     check_job_options(opts)
     check_mapping(program_signature(program), opts.mapping, opts.field)
     check_unique_ids(opts.input, opts.limit)
+    check_program(program, opts)
 
 
 def check_job_options(opts: JobOptions) -> None:
@@ -73,7 +74,6 @@ def check_job_options(opts: JobOptions) -> None:
         SamplingParams(**opts.sampling)
     except Exception as e:
         raise JobUsageError(str(e)) from e
-    check_program(program, opts)
 
 
 def check_program(program: Function, opts: JobOptions) -> None:
