@@ -46,8 +46,10 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype,
+                 quantized: dict | None = None, quant_mode: str | None = None):
         self.config = config
+        self.precision = "float32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -63,7 +65,7 @@ class ModelRunner:
             mc.num_hidden_layers, 2, slots, mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=device
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_hidden_layers)]
-        self.linear = self._select_linear()
+        self.linear = self._select_linear(quantized, quant_mode)
         self.attention_fn = None
         self.kernels = config.kernels
         self.decode_kernel = None
@@ -74,10 +76,11 @@ class ModelRunner:
         if config.batch_invariant:
             self._use_batch_invariant_ops()
 
-    def _select_linear(self):
-        """The projection op: GEMMs on weights packed at load on CPU fp32 (native panels, else oneDNN:
-        see cpu_linear.py); in the batch-invariant mode the same, once verified invariant on this
-        machine, else fixed tiles."""
+    def _select_linear(self, quantized: dict | None = None, quant_mode: str | None = None):
+        """The projection op: on a GGUF's block-quantised weights kept as stored where given
+        (quant_linear.py, invariant by construction); GEMMs on weights packed at load on CPU fp32
+        (native panels, else oneDNN: see cpu_linear.py); in the batch-invariant mode the same, once
+        verified invariant on this machine, else fixed tiles."""
         import torch.nn.functional as F
 
         from deepinfer.engine import batch_invariant as bi
@@ -85,6 +88,13 @@ class ModelRunner:
 
         invariant = self.config.batch_invariant
         on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if on_cpu_fp32 and quantized and quant_mode:
+            from deepinfer.engine.quant_linear import install_quantized
+
+            lin = install_quantized(self.model, quantized, mode=quant_mode, invariant=invariant)
+            if lin is not None:
+                self.precision = f"quantized-{quant_mode}"
+                return lin
         if on_cpu_fp32 and self.config.cpu_prepack and packed_gemm_available():
             weights, gated = self.model.linear_weights(), self.model.gated_weights()
             lin = CpuLinear(weights, invariant=invariant, gated=gated)
@@ -99,6 +109,24 @@ class ModelRunner:
             return y + b if b is not None else y
 
         return tiled
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: the model's tensors (each storage once) plus packed/quantised copies."""
+        seen: dict[int, int] = {}
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        extra = 0
+        for table in (getattr(self.linear, "table", {}), getattr(self.linear, "packed", {}),
+                      getattr(self.linear, "packed_gated", {})):
+            for v in table.values():
+                for t in (v if isinstance(v, tuple) else (v,)):
+                    t = getattr(t, "panels", getattr(t, "data", t))
+                    try:
+                        extra += t.untyped_storage().nbytes()
+                    except (AttributeError, RuntimeError):  # an opaque (oneDNN) tensor
+                        extra += t.numel() * t.element_size()
+        return sum(seen.values()) + extra
 
     def _select_kernels(self) -> None:
         """Route ops to deepinfer_kernels where its dispatch picks TileLang for this device."""
