@@ -1,5 +1,5 @@
 """The projection op on GGUF block-quantised weights kept as stored (Engine(dtype="auto") on CPU for a
-GGUF checkpoint; deepinfer_kernels.quant holds the kernels).
+GGUF checkpoint, in the exact mode; "quantized" for int8; deepinfer_kernels.quant holds the kernels).
 
 `install_quantized(model, quantized, ...)` swaps every projection of the model whose checkpoint
 tensors are all in a supported block format (fused q|k|v and gate|up are the row concatenation
@@ -8,7 +8,7 @@ blocks by the placeholder's storage address, like `CpuLinear` does for its packe
 placeholders are one NaN each, expanded: anything that reads one as a weight gets NaN, not a silent
 wrong number. A tied embedding matrix stays quantised too; its lookups dequantise the rows asked for.
 
-Every M runs the native kernel (int8 dot products by default): each output element has one fixed
+Every M runs the native kernel: each output element has one fixed
 reduction order, so the batch-invariant mode holds for every batch size, and the weights are read
 as blocks (98 MB for SmolLM2-135M Q4_1 instead of 540 MB of fp32) at every step.
 """

@@ -112,8 +112,9 @@ def test_install_quantized_on_a_tiny_model(tiny_models):
     from deepinfer.engine.model_runner import ModelRunner
 
     loaded = load_model(str(tiny_models["qwen2"]))  # tied embeddings: the lm_head is the embedding
+    # layer 0's down_proj left out, as a tensor in a format the kernels lack would be
     blocks = {k: quant.pack(v, quant.Q8_0) for k, v in loaded.weights.items()
-              if v.dim() == 2 and v.shape[1] % 32 == 0}
+              if v.dim() == 2 and k != "model.layers.0.mlp.down_proj.weight"}
     ref = {k: quant.dequantize_reference(q) for k, q in blocks.items()}
     fp32 = {k: v.clone() for k, v in loaded.weights.items()}
     cfg = EngineConfig(kv_cache_memory=4 << 20)
@@ -128,8 +129,16 @@ def test_install_quantized_on_a_tiny_model(tiny_models):
     want = x @ torch.cat([ref[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).T + layer.self_attn.qkv_bias
     torch.testing.assert_close(runner.linear(x, layer.self_attn.qkv_weight, layer.self_attn.qkv_bias), want,
                                rtol=1e-5, atol=1e-5)
-    # down_proj's K (48) is not a multiple of 32: it stays the fp32 weight
+    # the projection without blocks stays the fp32 weight
     assert torch.equal(layer.mlp.down_weight, fp32[p + "mlp.down_proj.weight"])
     ids = torch.tensor([5, 0, 7])
     torch.testing.assert_close(m.embed_impl(ids), ref["model.embed_tokens.weight"][ids])
     assert runner.weight_bytes() < sum(v.numel() * 4 for v in fp32.values())
+
+
+@needs_native
+@pytest.mark.slow
+def test_auto_keeps_the_gguf_blocks_exactly():
+    eng = Engine(kv_cache_memory=32 << 20)
+    assert eng.precision == "quantized-exact"
+    assert eng.stats.weight_bytes <= 1.2 * eng.stats.checkpoint_bytes
