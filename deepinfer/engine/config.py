@@ -12,7 +12,9 @@ from deepinfer.errors import InvalidRequestError
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the default SmolLM2-135M-Instruct
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "float32" | "bfloat16" | "float16"
+    # "auto" (CPU: a GGUF's Q4_0/Q4_1/Q8_0 weights as stored, exact kernels, else fp32; CUDA: bf16) |
+    # "float32" | "bfloat16" | "float16" | "quantized" (int8 dot products) | "quantized_exact" (fp32 dequant)
+    dtype: str = "auto"
     # tokens per KV block = the radix cache's page size. 1 shares every reusable token (measured:
     # 100% of the ideal reuse on multi-turn chat vs 86% at 16) and was not slower here.
     block_size: int = 1

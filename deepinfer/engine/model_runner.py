@@ -46,8 +46,10 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype,
+                 quantized: dict | None = None, quant_mode: str | None = None):
         self.config = config
+        self.precision = "float32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -66,7 +68,7 @@ class ModelRunner:
         slots = (self.num_blocks + self.use_graphs) * self.block_size
         self.kv_cache = torch.zeros(mc.num_hidden_layers, self.kv_parts, slots, kv_heads, kv_dim, dtype=dtype, device=device)
         self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(mc.num_hidden_layers)]
-        self.linear = self._select_linear()
+        self.linear = self._select_linear(quantized, quant_mode)
         self.attention_fn = None
         self.kernels = config.kernels
         self.decode_kernel = None
@@ -106,10 +108,11 @@ class ModelRunner:
             graphs.capture()
         return graphs
 
-    def _select_linear(self):
-        """The projection op: GEMMs on weights packed at load on CPU fp32 (native panels, else oneDNN:
-        see cpu_linear.py); in the batch-invariant mode the same, once verified invariant on this
-        machine, else fixed tiles."""
+    def _select_linear(self, quantized: dict | None = None, quant_mode: str | None = None):
+        """The projection op: on a GGUF's block-quantised weights kept as stored where given
+        (quant_linear.py, invariant by construction); GEMMs on weights packed at load on CPU fp32
+        (native panels, else oneDNN: see cpu_linear.py); in the batch-invariant mode the same, once
+        verified invariant on this machine, else fixed tiles."""
         import torch.nn.functional as F
 
         from deepinfer.engine import batch_invariant as bi
@@ -117,6 +120,13 @@ class ModelRunner:
 
         invariant = self.config.batch_invariant
         on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if on_cpu_fp32 and quantized and quant_mode:
+            from deepinfer.engine.quant_linear import install_quantized
+
+            lin = install_quantized(self.model, quantized, mode=quant_mode, invariant=invariant)
+            if lin is not None:
+                self.precision = f"quantized-{quant_mode}"
+                return lin
         if on_cpu_fp32 and self.config.cpu_prepack and packed_gemm_available():
             weights, gated = self.model.linear_weights(), self.model.gated_weights()
             lin = CpuLinear(weights, invariant=invariant, gated=gated)
@@ -131,6 +141,24 @@ class ModelRunner:
             return y + b if b is not None else y
 
         return tiled
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: the model's tensors (each storage once) plus packed/quantised copies."""
+        seen: dict[int, int] = {}
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        extra = 0
+        for table in (getattr(self.linear, "table", {}), getattr(self.linear, "packed", {}),
+                      getattr(self.linear, "packed_gated", {})):
+            for v in table.values():
+                for t in (v if isinstance(v, tuple) else (v,)):
+                    t = getattr(t, "panels", getattr(t, "data", t))
+                    try:
+                        extra += t.untyped_storage().nbytes()
+                    except (AttributeError, RuntimeError):  # an opaque (oneDNN) tensor
+                        extra += t.numel() * t.element_size()
+        return sum(seen.values()) + extra
 
     def _select_kernels(self) -> None:
         """Route ops to deepinfer_kernels where its dispatch picks TileLang for this device."""

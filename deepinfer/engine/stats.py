@@ -33,6 +33,8 @@ class EngineStats:
     idle_gap_time: float = 0.0  # time between the end of one forward pass and the start of the next
     first_forward_start: float = 0.0
     last_forward_end: float = 0.0
+    weight_bytes: int = 0  # bytes of model weights held in memory (packed copies included)
+    checkpoint_bytes: int = 0  # bytes of the checkpoint's weight files
     grammar_step_samples: list = field(default_factory=list)  # grammar seconds per constrained token, per step (last 100k)
 
     def record_grammar(self, seconds: float, rows: int) -> None:

@@ -32,6 +32,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str
+    quantized: dict | None = None  # HF name -> QuantWeight of a GGUF's block-quantised tensors (keep_quantized)
 
 
 def default_model_path() -> Path:
@@ -51,11 +52,12 @@ def default_model_path() -> Path:
 
 
 def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
-               use_cache: bool = True) -> LoadedModel:
+               use_cache: bool = True, keep_quantized: bool = False) -> LoadedModel:
     """Load `model`: None (the default model), an HF model directory, or a `.gguf` file.
 
     GGUF files are converted once and cached as fp32 safetensors under `cache_dir` (default
     `$DEEPINFER_CACHE_DIR` or `~/.cache/deepinfer/models`); `use_cache=False` skips the cache.
+    `keep_quantized`: also return a GGUF's block-quantised tensors as stored (`LoadedModel.quantized`).
     Raises ModelLoadError (UnsupportedArchitectureError for unknown architectures) naming the problem.
     """
     path = default_model_path() if model is None else Path(os.fspath(model)).expanduser()
@@ -64,7 +66,12 @@ def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.Pa
     if path.is_dir():
         return _from_dir(path, source=str(path))
     if path.suffix.lower() == ".gguf":
-        return _from_gguf(path, cache_dir, use_cache)
+        loaded = _from_gguf(path, cache_dir, use_cache)
+        if keep_quantized:
+            from deepinfer.engine.loader.gguf_quant import quantized_weights
+
+            loaded.quantized = quantized_weights(path, loaded.config)
+        return loaded
     raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
 
 

@@ -215,6 +215,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         )
+        self.embed_impl = None  # fn(input_ids) -> [T, hidden] replacing F.embedding (quantised embeddings)
 
     def make_layer(self, cfg: ModelConfig, i: int) -> DecoderLayer:
         """Layer i; architectures with other attention / MLP blocks override this."""
@@ -226,7 +227,7 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: ForwardContext, kv_caches) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_impl(input_ids) if self.embed_impl is not None else F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.tables(positions, x.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
@@ -241,6 +242,23 @@ class DecoderForCausalLM(nn.Module):
             ws += layer.self_attn.linear_weights() + layer.mlp.linear_weights()
         ws.append((self.embed_tokens if self.lm_head is None else self.lm_head).data)
         return ws
+
+    def projection_sources(self) -> list[tuple[nn.Parameter, list[str]]]:
+        """Each projection parameter (and the embedding) with the HF tensors it is the row concatenation of."""
+        out = [(self.embed_tokens, ["model.embed_tokens.weight"])]
+        if self.lm_head is not None:
+            out.append((self.lm_head, ["lm_head.weight"]))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out += [(layer.self_attn.qkv_weight, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                    (layer.self_attn.o_weight, [p + "self_attn.o_proj.weight"]),
+                    (layer.mlp.gate_up_weight, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    (layer.mlp.down_weight, [p + "mlp.down_proj.weight"])]
+        return out
+
+    def set_embedding_impl(self, fn) -> None:
+        """Use fn(input_ids) -> [T, hidden] for the token embedding lookup."""
+        self.embed_impl = fn
 
     def gated_weights(self) -> list[torch.Tensor]:
         """The stacked [gate; up] weights (through ForwardContext.silu_mul when set, else linear)."""

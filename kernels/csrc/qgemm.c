@@ -1,0 +1,330 @@
+/* y = x @ W.T in fp32 for W kept as GGUF stores it: blocks of 32 values along K (ggml's Q4_0,
+ * Q4_1, Q8_0), each block dequantised in registers, never written out as fp32.
+ *
+ * Block layouts (ggml): Q4_0 {fp16 d; u8 qs[16]} 18 bytes, w = (q - 8) d; Q4_1 {fp16 d, m;
+ * u8 qs[16]} 20 bytes, w = q d + m; Q8_0 {fp16 d; i8 qs[32]} 34 bytes, w = q d. In the 4-bit
+ * formats byte j holds element j (low nibble) and element j + 16 (high nibble).
+ *
+ * Two arithmetic modes, both with one fixed reduction order per output element (a row's result
+ * never depends on M or on the other rows: batch-invariant for every M):
+ *  - exact (DI_Q_EXACT): each block's 32 weights dequantised to fp32 in registers and multiplied
+ *    into fp32 activations; equals dequantise-then-fp32 up to the summation order.
+ *  - int8 (DI_Q_INT8): the activations quantised per 32-block to int8 (scale max|x| / 127, one per
+ *    block, by di_q8_quantize_rows), integer dot products per block (AVX2 maddubs/madd), scaled
+ *    and summed in fp32, as llama.cpp does.
+ * Instruction set chosen at run time: AVX2 + FMA + F16C where the CPU has them (checked with
+ * __builtin_cpu_supports), else portable scalar C; `level` 0 forces the scalar code (tests).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8 };
+enum { DI_Q_EXACT = 0, DI_Q_INT8 = 1 };
+#define MR 4 /* rows of x per tile: each block is unpacked once for up to 4 rows */
+
+static int block_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_Q4_0: return 18;
+    case FMT_Q4_1: return 20;
+    case FMT_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* IEEE half -> float without F16C (the scalar path). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal half: normalise */
+            int e = -1;
+            do { ++e; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* one block's 32 weights as fp32 (scalar; also the reference the other paths are tested against) */
+static inline void dequant_block(int fmt, const uint8_t *b, float *out) {
+    const float d = half_to_float(rd16(b));
+    if (fmt == FMT_Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < QK; ++j) out[j] = (float)q[j] * d;
+        return;
+    }
+    const float m = fmt == FMT_Q4_1 ? half_to_float(rd16(b + 2)) : 0.f;
+    const uint8_t *qs = b + (fmt == FMT_Q4_1 ? 4 : 2);
+    const int off = fmt == FMT_Q4_0 ? 8 : 0;
+    for (int j = 0; j < 16; ++j) {
+        const float lo = (float)((qs[j] & 0xf) - off) * d, hi = (float)((qs[j] >> 4) - off) * d;
+        out[j] = lo + m;
+        out[j + 16] = hi + m;
+    }
+}
+
+int di_q_block_bytes(int fmt) { return block_bytes(fmt); }
+
+int di_q_cpu_level(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 1 : 0;
+}
+
+/* rows ids[0..n) of W [*, K] dequantised into out [n, K] (embedding lookups, prefill panels) */
+int di_q_dequant_rows(const uint8_t *w, int64_t row_bytes, int fmt, int64_t K, const int64_t *ids, int64_t n,
+                      float *out) {
+    const int bb = block_bytes(fmt);
+    if (!bb || K % QK) return 1;
+#pragma omp parallel for schedule(static) if (n * K >= 65536)
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t *row = w + ids[i] * row_bytes;
+        for (int64_t b = 0; b < K / QK; ++b) dequant_block(fmt, row + b * bb, out + i * K + b * QK);
+    }
+    return 0;
+}
+
+/* ---- activations as int8 blocks: qx = round(x / s), s = max|x| / 127 per 32-block -------------- */
+int di_q8_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *scale, float *bsum) {
+    if (K % QK) return 1;
+    const int64_t nb = K / QK;
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *xb = x + r * ldx + b * QK;
+            float amax = 0.f;
+            for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+            const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            int sum = 0;
+            int8_t *q = qx + r * K + b * QK;
+            for (int j = 0; j < QK; ++j) {
+                q[j] = (int8_t)lrintf(xb[j] * inv);
+                sum += q[j];
+            }
+            scale[r * nb + b] = s;
+            bsum[r * nb + b] = s * (float)sum; /* Q4_1's m term: m * sum_j x_j ~ m * s * sum_j q_j */
+        }
+    return 0;
+}
+
+/* ---- scalar kernels ------------------------------------------------------------------------------ */
+static void rows_exact_scalar(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
+                              float *y, int64_t ldy) {
+    const int bb = block_bytes(fmt);
+    float acc[MR][8] = {{0}};
+    float wd[QK];
+    for (int64_t b = 0; b < nb; ++b) {
+        dequant_block(fmt, wrow + b * bb, wd);
+        for (int r = 0; r < mr; ++r) {
+            const float *xb = x + r * ldx + b * QK;
+            for (int j = 0; j < QK; ++j) acc[r][j & 7] += wd[j] * xb[j];
+        }
+    }
+    for (int r = 0; r < mr; ++r) {
+        float *a = acc[r];
+        y[r * ldy] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    }
+}
+
+static void rows_int8_scalar(int fmt, const uint8_t *wrow, int64_t nb, const int8_t *qx, const float *xs,
+                             const float *xsum, int64_t K, int mr, float *y, int64_t ldy) {
+    const int bb = block_bytes(fmt);
+    for (int r = 0; r < mr; ++r) {
+        float acc = 0.f, macc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = wrow + b * bb;
+            const int8_t *q = qx + r * K + b * QK;
+            const float d = half_to_float(rd16(blk));
+            int dot = 0;
+            if (fmt == FMT_Q8_0) {
+                const int8_t *wq = (const int8_t *)(blk + 2);
+                for (int j = 0; j < QK; ++j) dot += wq[j] * q[j];
+            } else {
+                const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
+                const int off = fmt == FMT_Q4_0 ? 8 : 0;
+                for (int j = 0; j < 16; ++j) dot += ((qs[j] & 0xf) - off) * q[j] + ((qs[j] >> 4) - off) * q[j + 16];
+            }
+            acc += (float)dot * (d * xs[r * nb + b]);
+            if (fmt == FMT_Q4_1) macc += half_to_float(rd16(blk + 2)) * xsum[r * nb + b];
+        }
+        y[r * ldy] = acc + macc;
+    }
+}
+
+/* ---- AVX2 kernels -------------------------------------------------------------------------------- */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static inline float f16(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+/* the 32 quants of a 4-bit block as bytes in element order (0..15 low nibbles, 16..31 high) */
+AVX2 static inline __m256i nibbles(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(0xf);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* one block as four fp32 vectors (elements 0-7, 8-15, 16-23, 24-31) */
+AVX2 static inline void dequant_block_avx2(int fmt, const uint8_t *b, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(f16(b));
+    if (fmt == FMT_Q8_0) {
+        for (int g = 0; g < 4; ++g)
+            w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g)))), d);
+        return;
+    }
+    const uint8_t *qs = b + (fmt == FMT_Q4_1 ? 4 : 2);
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0xf);
+    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    const __m256 m = fmt == FMT_Q4_1 ? _mm256_set1_ps(f16(b + 2)) : _mm256_set1_ps(-8.f * f16(b));
+    /* Q4_0: (q - 8) d = q d + (-8 d), exact in fp32 (d is a half, q and 8 small integers) */
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+}
+
+AVX2 static inline __attribute__((always_inline)) void rows_exact_avx2(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
+                                 float *y, int64_t ldy) {
+    const int bb = block_bytes(fmt);
+    __m256 a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 w[4];
+        dequant_block_avx2(fmt, wrow + b * bb, w);
+        for (int r = 0; r < mr; ++r) {
+            const float *xb = x + r * ldx + b * QK;
+            a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a1[r]);
+            a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a1[r]);
+        }
+    }
+    for (int r = 0; r < mr; ++r) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+/* sum over the block of w_j * q_j as 8 int32 lanes: maddubs needs an unsigned left operand, so
+ * signed weights go in as |w| with their sign moved onto the activations */
+AVX2 static inline __m256i dot_i8(__m256i w_signed, __m256i q) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w_signed, w_signed), _mm256_sign_epi8(q, w_signed));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+AVX2 static inline __attribute__((always_inline)) void rows_int8_avx2(int fmt, const uint8_t *wrow, int64_t nb, const int8_t *qx, const float *xs,
+                                const float *xsum, int64_t K, int mr, float *y, int64_t ldy) {
+    const int bb = block_bytes(fmt);
+    __m256 acc[MR];
+    float macc[MR] = {0};
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = wrow + b * bb;
+        const float d = f16(blk);
+        __m256i w;
+        if (fmt == FMT_Q8_0)
+            w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        else if (fmt == FMT_Q4_0)
+            w = _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8));
+        else
+            w = nibbles(blk + 4);
+        const float m = fmt == FMT_Q4_1 ? f16(blk + 2) : 0.f;
+        for (int r = 0; r < mr; ++r) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qx + r * K + b * QK));
+            /* Q4_1's quants are 0..15: already unsigned */
+            const __m256i s = fmt == FMT_Q4_1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1))
+                                               : dot_i8(w, q);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xs[r * nb + b]), acc[r]);
+            if (fmt == FMT_Q4_1) macc[r] += m * xsum[r * nb + b];
+        }
+    }
+    for (int r = 0; r < mr; ++r) y[r * ldy] = hsum8(acc[r]) + macc[r];
+}
+
+/* the row count as a compile-time constant, so the tile's accumulators live in registers (with a
+ * run-time count GCC kept them on the stack: 3-4x slower at 32+ rows). Same arithmetic per row
+ * whatever the tile size, so still batch-invariant. The format is made constant the same way. */
+#define TILE_CASES(CALL) \
+    switch (mr) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); break; }
+
+AVX2 static void exact_avx2_fmt(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
+                                float *y, int64_t ldy) {
+#define EX(R) rows_exact_avx2(fmt, wrow, nb, x, ldx, R, y, ldy)
+    TILE_CASES(EX)
+#undef EX
+}
+
+AVX2 static void exact_avx2_tile(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
+                                 float *y, int64_t ldy) {
+    exact_avx2_fmt(fmt, wrow, nb, x, ldx, mr, y, ldy);
+}
+
+AVX2 static void int8_avx2_tile(int fmt, const uint8_t *wrow, int64_t nb, const int8_t *qx, const float *xs,
+                                const float *xsum, int64_t K, int mr, float *y, int64_t ldy) {
+#define I8(R) rows_int8_avx2(F, wrow, nb, qx, xs, xsum, K, R, y, ldy)
+    switch (fmt) {
+    case FMT_Q4_0: {
+        enum { F = FMT_Q4_0 };
+        TILE_CASES(I8)
+        break;
+    }
+    case FMT_Q4_1: {
+        enum { F = FMT_Q4_1 };
+        TILE_CASES(I8)
+        break;
+    }
+    default: {
+        enum { F = FMT_Q8_0 };
+        TILE_CASES(I8)
+        break;
+    }
+    }
+#undef I8
+}
+
+/* y [M, N] (rows ldy apart) = x [M, K] @ W.T for W [N, K] in `fmt` blocks, rows row_bytes apart.
+ * mode DI_Q_EXACT reads x (fp32, rows ldx apart); DI_Q_INT8 reads qx/xs/xsum from
+ * di_q8_quantize_rows. level: 1 = AVX2 where the CPU has it, 0 = scalar. Threads split N in chunks. */
+int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx, const float *xs, const float *xsum,
+             int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N, int64_t K, float *y, int64_t ldy) {
+    if (!block_bytes(fmt) || K % QK) return 1;
+    const int avx2 = level >= 1 && di_q_cpu_level() >= 1;
+    const int64_t nb = K / QK;
+    /* chunks of NC weight rows: a chunk's blocks and a tile's activations both stay in L1 while
+     * every tile of x sweeps the chunk (n innermost was 2x slower at 128 rows: x re-read from L2) */
+    enum { NC = 16 };
+    const int64_t chunks = (N + NC - 1) / NC;
+#pragma omp parallel for schedule(static) if (chunks > 1 && M * N * K >= 32768)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
+        for (int64_t r0 = 0; r0 < M; r0 += MR) {
+            const int mr = M - r0 < MR ? (int)(M - r0) : MR;
+            for (int64_t n = c * NC; n < n1; ++n) {
+                const uint8_t *wrow = w + n * row_bytes;
+                float *yr = y + r0 * ldy + n;
+                if (mode == DI_Q_EXACT) {
+                    if (avx2) exact_avx2_tile(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
+                    else rows_exact_scalar(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
+                } else {
+                    if (avx2) int8_avx2_tile(fmt, wrow, nb, qx + r0 * K, xs + r0 * nb, xsum + r0 * nb, K, mr, yr, ldy);
+                    else rows_int8_scalar(fmt, wrow, nb, qx + r0 * K, xs + r0 * nb, xsum + r0 * nb, K, mr, yr, ldy);
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,209 @@
+"""Block-quantised weights (GGUF's Q4_0, Q4_1, Q8_0) kept as stored, and the native kernels over them
+(csrc/qgemm.c, built with the other native kernels by `native.load`).
+
+A `QuantWeight` is an [N, K] matrix as N rows of K / 32 ggml blocks (uint8 [N, row_bytes]): the
+bytes of the GGUF file, unchanged. `qlinear` computes x @ W.T on them:
+
+* ``mode="int8"``: activations quantised per 32-block to int8, integer dot products (AVX2
+  maddubs/madd), fp32 accumulation (llama.cpp's scheme);
+* ``mode="exact"``: each block dequantised to fp32 in registers against fp32 activations (equal to
+  dequantise-then-fp32 up to the summation order).
+
+Both have one fixed reduction order per output element, so a row's result does not depend on the
+batch. `pack` is this module's own encoder of the formats (tests; round-trip checked against
+`dequantize_reference`, a torch transcription of the formats' definitions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+from .errors import KernelInputError
+
+QK = 32
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids (GGMLQuantizationType)
+FORMATS = {Q4_0: ("Q4_0", 18), Q4_1: ("Q4_1", 20), Q8_0: ("Q8_0", 34)}
+MODES = ("int8", "exact")
+
+_configured = False
+
+
+def _lib():
+    global _configured
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if not _configured:
+        i64, fp, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.di_qgemm.argtypes = [i32, i32, fp, i64, fp, fp, fp, i64, fp, i64, i32, i64, i64, fp, i64]
+        lib.di_qgemm.restype = i32
+        lib.di_q8_quantize_rows.argtypes = [fp, i64, i64, i64, fp, fp, fp]
+        lib.di_q8_quantize_rows.restype = i32
+        lib.di_q_dequant_rows.argtypes = [fp, i64, i32, i64, fp, i64, fp]
+        lib.di_q_dequant_rows.restype = i32
+        lib.di_q_cpu_level.restype = i32
+        _configured = True
+    return lib
+
+
+def available() -> bool:
+    return native.available()
+
+
+def cpu_level() -> int:
+    """1 when the AVX2 + FMA + F16C kernels run on this CPU, 0 when only the scalar ones do."""
+    return int(_lib().di_q_cpu_level())
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """[n, k] weights as ggml blocks: data uint8 [n, k / 32 * block bytes], contiguous."""
+
+    data: torch.Tensor
+    fmt: int
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise KernelInputError(f"QuantWeight: unsupported block format {self.fmt} (have {sorted(FORMATS)})")
+        if self.k % QK or self.k <= 0:
+            raise KernelInputError(f"QuantWeight: K = {self.k} is not a positive multiple of {QK}")
+        rb = self.k // QK * FORMATS[self.fmt][1]
+        d = self.data
+        if d.dtype != torch.uint8 or d.device.type != "cpu" or tuple(d.shape) != (self.n, rb) or not d.is_contiguous():
+            raise KernelInputError(f"QuantWeight: data must be contiguous uint8 CPU [{self.n}, {rb}], got "
+                                   f"{d.dtype} {tuple(d.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def format_name(self) -> str:
+        return FORMATS[self.fmt][0]
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Row-wise concatenation (fused q|k|v, gate|up) of weights of one format and width."""
+    if len({(p.fmt, p.k) for p in parts}) != 1:
+        raise KernelInputError("cat_rows: parts differ in format or width")
+    return QuantWeight(torch.cat([p.data for p in parts]), parts[0].fmt, sum(p.n for p in parts), parts[0].k)
+
+
+def _check_x(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise KernelInputError(f"{name}: x must be float32 CPU [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    return x if x.stride(1) == 1 and x.stride(0) >= k else x.contiguous()
+
+
+def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, mode: str = "int8",
+            level: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias) -> [M, N] fp32. level 0 forces the scalar code (tests)."""
+    if mode not in MODES:
+        raise KernelInputError(f"qlinear: mode must be one of {MODES}, got {mode!r}")
+    lib = _lib()
+    x = _check_x("qlinear", x, w.k)
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, w.n, dtype=torch.float32)
+    elif out.shape != (m, w.n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise KernelInputError(f"qlinear: out must be float32 [{m}, {w.n}] with dense rows")
+    if m:
+        rb = w.data.shape[1]
+        if mode == "int8":
+            nb = w.k // QK
+            qx = torch.empty(m, w.k, dtype=torch.int8)
+            xs = torch.empty(m, nb, dtype=torch.float32)
+            xsum = torch.empty(m, nb, dtype=torch.float32)
+            lib.di_q8_quantize_rows(x.data_ptr(), x.stride(0), m, w.k, qx.data_ptr(), xs.data_ptr(), xsum.data_ptr())
+            rc = lib.di_qgemm(1, level, None, 0, qx.data_ptr(), xs.data_ptr(), xsum.data_ptr(), m, w.data.data_ptr(),
+                              rb, w.fmt, w.n, w.k, out.data_ptr(), out.stride(0))
+        else:
+            rc = lib.di_qgemm(0, level, x.data_ptr(), x.stride(0), None, None, None, m, w.data.data_ptr(), rb, w.fmt,
+                              w.n, w.k, out.data_ptr(), out.stride(0))
+        if rc:
+            raise KernelInputError(f"qlinear: the kernel refused format {w.fmt} with K = {w.k}")
+    if bias is not None:
+        if bias.shape != (w.n,):
+            raise KernelInputError(f"qlinear: bias {tuple(bias.shape)} does not fit {w.n} outputs")
+        out += bias
+    return out
+
+
+def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(ids), K]: rows ids of W (an embedding lookup); ids outside [0, N) raise."""
+    lib = _lib()
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.n):
+        raise KernelInputError(f"dequantize_rows: a row id is outside [0, {w.n})")
+    out = torch.empty(ids.numel(), w.k, dtype=torch.float32)
+    if ids.numel():
+        lib.di_q_dequant_rows(w.data.data_ptr(), w.data.shape[1], w.fmt, w.k, ids.data_ptr(), ids.numel(), out.data_ptr())
+    return out
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The whole matrix as fp32 [N, K] (native)."""
+    return dequantize_rows(w, torch.arange(w.n))
+
+
+# ---- the formats' definitions in torch: reference decoder and this project's encoder -------------
+def _halves(raw: torch.Tensor) -> torch.Tensor:
+    return raw.contiguous().view(torch.float16).float()
+
+
+def dequantize_reference(w: QuantWeight) -> torch.Tensor:
+    """fp32 [N, K] decoded in torch from the block layouts (the reference for the kernels)."""
+    _, bb = FORMATS[w.fmt]
+    blocks = w.data.view(w.n, w.k // QK, bb)
+    d = _halves(blocks[..., 0:2])  # [N, nb, 1]
+    if w.fmt == Q8_0:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(w.n, w.k)
+    qs = blocks[..., 4:] if w.fmt == Q4_1 else blocks[..., 2:]
+    q = torch.cat([qs & 0xF, qs >> 4], -1).float()  # element j: low nibble of byte j; j + 16: high
+    if w.fmt == Q4_0:
+        return ((q - 8) * d).reshape(w.n, w.k)
+    return (q * d + _halves(blocks[..., 2:4])).reshape(w.n, w.k)
+
+
+def pack(w: torch.Tensor, fmt: int) -> QuantWeight:
+    """Encode an fp32 [N, K] matrix (K a multiple of 32) in `fmt` (round to nearest per block)."""
+    if fmt not in FORMATS:
+        raise KernelInputError(f"pack: unsupported block format {fmt}")
+    if w.dim() != 2 or w.shape[1] % QK:
+        raise KernelInputError(f"pack: expected [N, K] with K a multiple of {QK}, got {tuple(w.shape)}")
+    n, k = w.shape
+    b = w.float().reshape(n, k // QK, QK)
+
+    def half_bytes(v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.float16).unsqueeze(-1).view(torch.uint8)  # [N, nb, 2]
+
+    if fmt == Q8_0:
+        d = (b.abs().amax(-1) / 127).to(torch.float16).float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = (b * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        raw = torch.cat([half_bytes(d), q], -1)
+    elif fmt == Q4_0:
+        idx = b.abs().argmax(-1, keepdim=True)
+        d = (b.gather(-1, idx).squeeze(-1) / -8).to(torch.float16).float()  # the signed max maps to -8
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = ((b * inv.unsqueeze(-1)).round() + 8).clamp(0, 15).to(torch.uint8)
+        raw = torch.cat([half_bytes(d), q[..., :16] | (q[..., 16:] << 4)], -1)
+    else:
+        lo, hi = b.amin(-1), b.amax(-1)
+        d = ((hi - lo) / 15).to(torch.float16).float()
+        m = lo.to(torch.float16).float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = ((b - m.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        raw = torch.cat([half_bytes(d), half_bytes(m), q[..., :16] | (q[..., 16:] << 4)], -1)
+    return QuantWeight(raw.reshape(n, -1).contiguous(), fmt, n, k)

@@ -1,0 +1,115 @@
+"""Block-quantised weights (deepinfer_kernels.quant): packer round trip, the gguf package's encoder and
+decoder against ours, and every kernel (AVX2 and scalar, exact and int8) against dequantise-then-fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer_kernels import KernelInputError, quant
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels did not build")
+
+FMTS = [quant.Q4_0, quant.Q4_1, quant.Q8_0]
+# relative error of a whole matrix after pack -> dequantise (round to nearest: half a step of 15 or 254 levels)
+PACK_TOL = {quant.Q4_0: 0.12, quant.Q4_1: 0.08, quant.Q8_0: 0.006}
+# int8 path vs dequantise-then-fp32: the activations' own rounding (half a step of 254 levels per block)
+INT8_TOL = 0.02
+LEVELS = [0, 1] if quant.available() and quant.cpu_level() >= 1 else [0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_pack_round_trip(fmt):
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(fmt))
+    qw = quant.pack(w, fmt)
+    assert qw.nbytes == 40 * 3 * quant.FORMATS[fmt][1]
+    ref = quant.dequantize_reference(qw)
+    assert _rel(ref, w) < PACK_TOL[fmt]
+    # re-encoding the decoded matrix reproduces the blocks (each value sits on the block's grid)
+    again = quant.dequantize_reference(quant.pack(ref, fmt))
+    torch.testing.assert_close(again, ref, rtol=0, atol=1e-3 * float(ref.abs().max()))
+    # the native decoder agrees with the torch one to rounding
+    torch.testing.assert_close(quant.dequantize(qw), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_reference_matches_gguf_package(fmt):
+    gq = pytest.importorskip("gguf.quants")
+    import gguf
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3)).numpy()
+    qtype = gguf.GGMLQuantizationType(fmt)
+    raw = gq.quantize(w, qtype)  # the gguf package's own encoder (as llama.cpp's converter writes)
+    qw = quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(raw)), fmt, 8, 64)
+    expect = torch.from_numpy(gq.dequantize(raw, qtype).astype(np.float32))
+    torch.testing.assert_close(quant.dequantize_reference(qw), expect, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(quant.dequantize(qw), expect, rtol=1e-6, atol=1e-7)
+    # and our encoder's blocks decode the same way in the package's decoder
+    ours = quant.pack(torch.from_numpy(w), fmt)
+    torch.testing.assert_close(torch.from_numpy(gq.dequantize(ours.data.numpy(), qtype).astype(np.float32)),
+                               quant.dequantize_reference(ours), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_kernels_vs_dequantised_reference(fmt, m, level):
+    gen = torch.Generator().manual_seed(10 * fmt + m)
+    qw = quant.pack(torch.randn(70, 160, generator=gen), fmt)
+    x = torch.randn(m, 160, generator=gen)
+    ref = x.double() @ quant.dequantize_reference(qw).double().T
+    exact = quant.qlinear(x, qw, mode="exact", level=level)
+    torch.testing.assert_close(exact.double(), ref, rtol=1e-5, atol=1e-4)
+    int8 = quant.qlinear(x, qw, mode="int8", level=level)
+    assert _rel(int8.double(), ref) < INT8_TOL
+    bias = torch.randn(70, generator=gen)
+    torch.testing.assert_close(quant.qlinear(x, qw, bias, mode="int8", level=level), int8 + bias)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_avx2_and_scalar_agree(fmt):
+    if 1 not in LEVELS:
+        pytest.skip("no AVX2 on this CPU")
+    gen = torch.Generator().manual_seed(5)
+    qw = quant.pack(torch.randn(33, 256, generator=gen), fmt)
+    x = torch.randn(5, 256, generator=gen)
+    for mode in quant.MODES:
+        torch.testing.assert_close(quant.qlinear(x, qw, mode=mode, level=1), quant.qlinear(x, qw, mode=mode, level=0),
+                                   rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("mode", quant.MODES)
+def test_batch_invariant(fmt, mode):
+    """A row's output bits do not depend on how many rows share the call (tiles of 4 rows, threads over N)."""
+    gen = torch.Generator().manual_seed(7)
+    qw = quant.pack(torch.randn(300, 576, generator=gen), fmt)
+    x = torch.randn(37, 576, generator=gen)
+    full = quant.qlinear(x, qw, mode=mode)
+    for k in (1, 2, 3, 4, 5, 8, 17, 36):
+        assert torch.equal(quant.qlinear(x[:k], qw, mode=mode), full[:k]), k
+    assert torch.equal(quant.qlinear(x[20:21], qw, mode=mode), full[20:21])
+
+
+def test_embedding_rows_and_bad_inputs():
+    qw = quant.pack(torch.randn(10, 64), quant.Q8_0)
+    ref = quant.dequantize_reference(qw)
+    ids = torch.tensor([[3, 0], [9, 3]])
+    torch.testing.assert_close(quant.dequantize_rows(qw, ids).view(2, 2, 64), ref[ids], rtol=1e-6, atol=1e-7)
+    with pytest.raises(KernelInputError, match="outside"):
+        quant.dequantize_rows(qw, torch.tensor([10]))
+    with pytest.raises(KernelInputError, match="float32 CPU"):
+        quant.qlinear(torch.randn(2, 32), qw)
+    with pytest.raises(KernelInputError, match="mode"):
+        quant.qlinear(torch.randn(2, 64), qw, mode="fp8")
+    with pytest.raises(KernelInputError, match="multiple of 32"):
+        quant.pack(torch.randn(4, 40), quant.Q4_0)
+    with pytest.raises(KernelInputError, match="unsupported block format"):
+        quant.QuantWeight(torch.zeros(1, 18, dtype=torch.uint8), 14, 1, 32)
+    with pytest.raises(KernelInputError, match="contiguous uint8"):
+        quant.QuantWeight(torch.zeros(1, 17, dtype=torch.uint8), quant.Q4_0, 1, 32)
