@@ -331,6 +331,7 @@ class Engine:
         if self._compiling:
             outputs += self._admit_compiled()
         if not self.config.overlap_schedule:
+            t0 = time.perf_counter()
             if self.speculator is not None or self.config.jump_forward:
                 self._propose_drafts()
             sched = self._schedule(allow_preempt=True)
@@ -338,6 +339,7 @@ class Engine:
                 return outputs + self._nothing_to_run()
             self._fill_model_drafts(sched)
             st = self._launch(sched, None, run_async=False)
+            st.t_start = t0
             return outputs + self._process(st, self.step_sampler.sample(st))
 
         done = samples = None
@@ -449,8 +451,6 @@ class Engine:
 
     def _process(self, st: Step, samples) -> list[RequestOutput]:
         """Accepted tokens in, finished sequences released, one output per sequence that progressed."""
-        if self.speculator is not None:
-            self.speculator.observe_forward(st.num_tokens, st.forward_s)
         for e, toks in zip(st.entries, samples.accepted):
             if e.drafts and toks:
                 if e.seq.draft_key == FORCED_KEY:
@@ -459,6 +459,10 @@ class Engine:
                     self.speculator.observe(e.seq, len(e.drafts), len(toks) - 1)
         progressed = self.outputs.process(st, samples)
         self._release_finished()
+        if self.speculator is not None:
+            # the whole step's time where it is known (synchronous loop), else the forward's
+            secs = time.perf_counter() - st.t_start if st.t_start else st.forward_s
+            self.speculator.observe_forward(st.num_tokens, secs)
         outputs = [self.outputs.make_output(seq) for seq in progressed]
         for seq in progressed:
             if seq.is_finished:

@@ -11,8 +11,8 @@ large batches the forward is compute-bound, each slot costs its share, and only 
 are (no user flag needed for that).
 
 Two corrections keep it from costing time where it cannot pay (the 0.97x floor): the cost model
-is refreshed online from the forward passes the engine actually runs (a start-up measurement in
-one shape misjudged later steps by 10-30% here), and drafting itself (host time, ~10 us per
+is refreshed online from the steps the engine actually runs, per size (the start-up measurement
+is of forward passes in decode shape; verify steps, with their host work, cost more per token), and drafting itself (host time, ~10 us per
 sequence) backs off: a step whose admitted drafts are not expected to save more time than
 proposing them took (on average over recent rounds) is followed by 1, 2, 4 .. 16 steps that
 propose nothing.
@@ -21,6 +21,7 @@ propose nothing.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass
 
@@ -36,8 +37,9 @@ MAX_BACKOFF = 16  # most steps drafting is paused for after a step where it did 
 
 
 class ForwardCost:
-    """Seconds of one forward pass over T query tokens: piecewise linear between measured points
-    (and extrapolated from the last two)."""
+    """Seconds of one step over T query tokens: piecewise linear between the points measured at
+    start-up (forward passes in decode shape; extrapolated from the last two), each point rescaled
+    by what the steps the engine then runs near it take (observe)."""
 
     def __init__(self, points: list[tuple[int, float]]):
         pts = sorted(points)
@@ -48,10 +50,25 @@ class ForwardCost:
         self.s = []
         for _, s in pts:
             self.s.append(max(s, self.s[-1]) if self.s else s)
-        self.scale = 1.0  # observed / modelled time of the forwards run since (EMA)
+        self.scale = 1.0  # observed / modelled time over every step seen (EMA)
+        # per measured point: observed / modelled time of the steps nearest it (None: none seen yet,
+        # the overall scale stands in). A verify step of B sequences x (1 + k) tokens costs more
+        # than B x (1 + k) single decodes (the start-up shape) in host work and attention; learning
+        # per size lets the marginal cost of a draft follow what verify steps really take.
+        self.factor: list[float | None] = [None] * len(self.T)
 
     def __call__(self, T: int) -> float:
-        return self.scale * self._measured(T)
+        i = bisect.bisect_left(self.T, T)
+        if i < len(self.T) and self.T[i] == T:
+            return self._f(i) * self.s[i]
+        i = min(max(i, 1), len(self.T) - 1)
+        t0, t1 = self.T[i - 1], self.T[i]
+        s0, s1 = self._f(i - 1) * self.s[i - 1], self._f(i) * self.s[i]
+        return max(s0 + (s1 - s0) * (T - t0) / (t1 - t0), 1e-9)
+
+    def _f(self, i: int) -> float:
+        f = self.factor[i]
+        return self.scale if f is None else f
 
     def _measured(self, T: int) -> float:
         i = bisect.bisect_left(self.T, T)
@@ -62,13 +79,15 @@ class ForwardCost:
         return max(s0 + (s1 - s0) * (T - t0) / (t1 - t0), 1e-9)
 
     def observe(self, T: int, seconds: float) -> None:
-        """A forward over T query tokens took `seconds`: rescale the model towards it. One factor
-        for all sizes, so the shape of the start-up curve (what one more token costs relative to
-        the step) is kept while its level follows the machine (load, warm caches, turbo)."""
+        """A step over T query tokens took `seconds`: move the overall scale and the factor of the
+        measured point nearest T (in log size) towards it."""
         if T < 1 or not seconds > 0:
             return
-        ratio = min(max(seconds / self._measured(T), 0.25), 4.0)  # one stalled step must not swing it
+        ratio = min(max(seconds / self._measured(T), 0.25), 8.0)  # one stalled step must not swing it
         self.scale += EMA * (ratio - self.scale)
+        j = min(range(len(self.T)), key=lambda k: abs(math.log(self.T[k]) - math.log(T)))
+        f = self.factor[j]
+        self.factor[j] = ratio if f is None else f + EMA * (ratio - f)
 
 
 class DraftConfidence:
@@ -215,7 +234,7 @@ class Speculator:
             self._skip = self._backoff
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """A forward pass over num_tokens query tokens took `seconds` (refreshes the cost model)."""
+        """A step over num_tokens query tokens took `seconds` (refreshes the cost model)."""
         if self.cost is not None:
             self.cost.observe(num_tokens, seconds)
 

@@ -50,6 +50,7 @@ class Step:
     future: Any = None
     logits: Any = None  # [R, V] once the forward pass is done
     forward_s: float = 0.0  # seconds its forward pass took
+    t_start: float = 0.0  # synchronous loop: when the step began (drafting, scheduling), for its cost
 
     @property
     def num_tokens(self) -> int:

@@ -69,13 +69,17 @@ def test_speculator_sizes_and_learns():
     assert plan.proposed == 4 and plan.admitted == 0 and seq.draft_token_ids == []
 
 
-def test_cost_model_follows_observed_forwards():
-    c = ForwardCost([(1, 1.0), (64, 2.0)])
+def test_cost_model_follows_observed_steps():
+    c = ForwardCost([(1, 1.0), (8, 1.0), (16, 1.2), (64, 2.0)])
     for _ in range(40):
-        c.observe(32, 3.0)  # the machine now runs 2x slower than at start-up
-    assert abs(c(32) - 3.0) < 0.05 and abs(c(1) / c(64) - 0.5) < 1e-9  # level follows, shape kept
-    c.observe(32, 1000.0)  # one stalled step moves it boundedly
-    assert c(32) < 3.0 * 1.7
+        c.observe(8, 2.0)  # the machine now runs 2x slower than at start-up
+    assert abs(c(8) - 2.0) < 0.05 and abs(c(64) - 4.0) < 0.1  # unseen sizes follow the overall level
+    for _ in range(40):
+        c.observe(16, 3.6)  # verify steps near 16 tokens cost 3x their start-up measurement
+    # the marginal cost of tokens past the batch now follows what those steps took
+    assert abs(c(16) - 3.6) < 0.1 and abs(c(8) - 2.0) < 0.2 and c(12) > 2.5
+    c.observe(8, 1000.0)  # one stalled step moves it boundedly
+    assert c(8) < 2.0 * 2.5
 
 
 def test_drafting_backs_off_while_it_does_not_pay():
