@@ -52,23 +52,32 @@ class ForwardCost:
             self.s.append(max(s, self.s[-1]) if self.s else s)
         self.scale = 1.0  # observed / modelled time over every step seen (EMA)
         # per measured point: observed / modelled time of the steps nearest it (None: none seen yet,
-        # the overall scale stands in). A verify step of B sequences x (1 + k) tokens costs more
+        # the nearest seen point's factor stands in). A verify step of B sequences x (1 + k) tokens costs more
         # than B x (1 + k) single decodes (the start-up shape) in host work and attention; learning
         # per size lets the marginal cost of a draft follow what verify steps really take.
         self.factor: list[float | None] = [None] * len(self.T)
+        self._refresh()
 
     def __call__(self, T: int) -> float:
         i = bisect.bisect_left(self.T, T)
         if i < len(self.T) and self.T[i] == T:
-            return self._f(i) * self.s[i]
+            return self._pts[i]
         i = min(max(i, 1), len(self.T) - 1)
-        t0, t1 = self.T[i - 1], self.T[i]
-        s0, s1 = self._f(i - 1) * self.s[i - 1], self._f(i) * self.s[i]
+        t0, t1, s0, s1 = self.T[i - 1], self.T[i], self._pts[i - 1], self._pts[i]
         return max(s0 + (s1 - s0) * (T - t0) / (t1 - t0), 1e-9)
 
-    def _f(self, i: int) -> float:
-        f = self.factor[i]
-        return self.scale if f is None else f
+    def _refresh(self) -> None:
+        """The rescaled points, kept monotone (a size seen only under load must not make a larger,
+        unseen size look cheaper than it)."""
+        seen = [i for i, f in enumerate(self.factor) if f is not None]
+        pts: list[float] = []
+        for i, s in enumerate(self.s):
+            f = self.factor[i]
+            if f is None:  # an unseen size takes the factor of the nearest seen one
+                f = self.factor[min(seen, key=lambda j: abs(j - i))] if seen else self.scale
+            v = f * s
+            pts.append(max(v, pts[-1]) if pts else v)
+        self._pts = pts
 
     def _measured(self, T: int) -> float:
         i = bisect.bisect_left(self.T, T)
@@ -87,7 +96,9 @@ class ForwardCost:
         self.scale += EMA * (ratio - self.scale)
         j = min(range(len(self.T)), key=lambda k: abs(math.log(self.T[k]) - math.log(T)))
         f = self.factor[j]
-        self.factor[j] = ratio if f is None else f + EMA * (ratio - f)
+        f = self.scale if f is None else f  # (starts from the overall level, then learns its own)
+        self.factor[j] = f + EMA * (ratio - f)
+        self._refresh()
 
 
 class DraftConfidence:

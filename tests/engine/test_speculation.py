@@ -73,7 +73,7 @@ def test_cost_model_follows_observed_steps():
     c = ForwardCost([(1, 1.0), (8, 1.0), (16, 1.2), (64, 2.0)])
     for _ in range(40):
         c.observe(8, 2.0)  # the machine now runs 2x slower than at start-up
-    assert abs(c(8) - 2.0) < 0.05 and abs(c(64) - 4.0) < 0.1  # unseen sizes follow the overall level
+    assert abs(c(8) - 2.0) < 0.05 and abs(c(64) - 4.0) < 0.1  # unseen sizes follow the nearest seen one
     for _ in range(40):
         c.observe(16, 3.6)  # verify steps near 16 tokens cost 3x their start-up measurement
     # the marginal cost of tokens past the batch now follows what those steps took
