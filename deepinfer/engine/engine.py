@@ -459,8 +459,9 @@ class Engine:
                     self.speculator.observe(e.seq, len(e.drafts), len(toks) - 1)
         progressed = self.outputs.process(st, samples)
         self._release_finished()
-        if self.speculator is not None:
-            # the whole step's time where it is known (synchronous loop), else the forward's
+        if self.speculator is not None and all(e.num_tokens == 1 + len(e.drafts) for e in st.entries):
+            # decode(+draft) steps only, the ones the budget chooses between (a prefill chunk is
+            # another shape); the whole step's time where it is known (synchronous loop)
             secs = time.perf_counter() - st.t_start if st.t_start else st.forward_s
             self.speculator.observe_forward(st.num_tokens, secs)
         outputs = [self.outputs.make_output(seq) for seq in progressed]
