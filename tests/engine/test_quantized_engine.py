@@ -1,5 +1,5 @@
-"""The default GGUF model with its Q4_1/Q8_0 blocks kept as stored (dtype="quantized" / "quantized_exact",
-and "auto" on CPU) against the exact fp32 path (dtype="float32"): memory, logits, greedy agreement, and
+"""The default GGUF model with its Q4_1/Q8_0 blocks kept as stored (dtype="quantized" / "quantized_exact")
+against the exact fp32 path (dtype="float32"): memory, logits, greedy agreement, and
 batch invariance in the quantized mode."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_install_quantized_on_a_tiny_model(tiny_models):
 
 @needs_native
 @pytest.mark.slow
-def test_auto_keeps_the_gguf_blocks_exactly():
-    eng = Engine(kv_cache_memory=32 << 20)
+def test_quantized_exact_keeps_the_gguf_blocks():
+    eng = Engine(kv_cache_memory=32 << 20, dtype="quantized_exact")
     assert eng.precision == "quantized-exact"
     assert eng.stats.weight_bytes <= 1.2 * eng.stats.checkpoint_bytes
