@@ -12,7 +12,7 @@ from deepinfer.errors import InvalidRequestError
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the default SmolLM2-135M-Instruct
     device: str = "auto"  # "auto" | "cpu" | "cuda"
-    # "auto" (CPU: fp32, as the quantized kernels lose at large batches here; CUDA: bf16) |
+    # "auto" (CPU: fp32, as the quantized kernels lose at batch 128 here; CUDA: bf16) |
     # "float32" | "bfloat16" | "float16" | "quantized" (int8 dot products) | "quantized_exact" (fp32 dequant)
     dtype: str = "auto"
     # tokens per KV block = the radix cache's page size. 1 shares every reusable token (measured:

@@ -74,9 +74,9 @@ def _quant_mode(name: str, device: torch.device) -> str | None:
     """The kernel mode for quantised weights this dtype asks for, or None (auto stays fp32).
 
     Measured side by side on this 2-core AVX2 host (benchmarks/throughput.py --precisions, SmolLM2
-    Q4_1, 32 new tokens): quantized_exact / fp32 = 2.11x at batch 1, 1.45x at 8, but 0.43x at 32
-    and 0.64x at 128 (the int8 mode: 2.30 / 1.48 / 0.51 / 0.67x). Offline batch jobs run at the
-    large batches, so auto keeps the fp32 path until the quantized kernels win there too; ask for
+    Q4_1, 32 new tokens): quantized_exact / fp32 = 2.23x at batch 1, 1.77x at 8, 1.03x at 32, but
+    0.74x at 128 (int8: 2.58 / 1.82 / 1.05 / 0.69x). Offline batch jobs run at the large batches,
+    so auto keeps the fp32 path until the quantized kernels win there too; ask for
     "quantized_exact" (greedy answers equal to fp32 on 8/8 prompts, logprobs within 3.4e-5, weights
     1.02x the file instead of 11x) or "quantized" (int8 activations: 5/8 equal) explicitly."""
     return QUANT_DTYPES.get(name)
