@@ -8,6 +8,7 @@ import pytest
 from deepinfer import Engine, InvalidRequestError, SamplingParams
 
 from test_engine_core import assert_all_blocks_free, random_prompts
+from test_speculative import _same
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +20,6 @@ def _pair(path, **kw):
     base = dict(kv_cache_memory=8 << 20, block_size=4)
     base.update(kw)
     return Engine(path, **base), Engine(path, speculative="draft", draft_layers=1, speculative_budget=False, **base)
-
-
-def _same(a, b):
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert [o.text for o in a] == [o.text for o in b]
-    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
 
 
 def _check_verified(eng):
