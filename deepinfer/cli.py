@@ -54,9 +54,9 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_job_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--model", "-m", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
     run.add_argument("--kv-cache-memory", type=int, default=None, metavar="MIB", help="KV cache size in MiB")
-    run.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+    run.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None,
                      help="speculative decoding (exact: same output): 'ngram' drafts from the record's own text, "
-                          "'draft' from the model's own first layers")
+                          "'draft' from the model's own first layers, 'mtp' from the checkpoint's MTP layer (DeepSeek-V3)")
     run.add_argument("--batch-size", "-b", type=int, default=64, help="programs in flight at once (default 64)")
     for name, typ in _SAMPLING_OPTIONS.items():
         run.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"default {name} of every gen")

@@ -49,7 +49,8 @@ class EngineConfig:
     # grammar with jump_forward on get the grammar's drafts. With overlap_schedule, a step that
     # verifies drafts is planned after the step before it (drafts need its tokens); while drafting
     # is paused (it does not pay, speculation.py) the loop overlaps as without speculation.
-    # "draft": self-drafting, the model's first `draft_layers` layers + its head (draft_model.py)
+    # "draft": self-drafting, the model's first `draft_layers` layers + its head (draft_model.py);
+    # "mtp": the checkpoint's multi-token-prediction layer, one draft per step (mtp_drafter.py)
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens verified per sequence per step
     draft_layers: int | None = None  # speculative="draft": early-exit depth (None: a quarter of the layers)
@@ -88,11 +89,8 @@ class EngineConfig:
             raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
         if self.kernels not in ("auto", "torch", "tilelang"):
             raise bad(f"kernels must be 'auto', 'torch' or 'tilelang', got {self.kernels!r}")
-        if self.speculative not in (None, "ngram", "draft"):
-            if self.speculative == "mtp":
-                raise bad("speculative='mtp' is not available yet (it needs a checkpoint with an MTP layer); "
-                          "use 'ngram', 'draft' or None")
-            raise bad(f"speculative must be 'ngram', 'draft' or None, got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft", "mtp"):
+            raise bad(f"speculative must be 'ngram', 'draft', 'mtp' or None, got {self.speculative!r}")
         if self.draft_model is not None:
             raise bad("draft_model: a separate draft checkpoint is not supported yet; speculative='draft' "
                       "drafts with the model's own first draft_layers layers")

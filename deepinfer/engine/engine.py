@@ -141,6 +141,8 @@ class Engine:
         self.step_sampler = StepSampler(Sampler(kernels=cfg.kernels), self.structured, self.eos_token_ids, self.stats)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len, self.structured, self.kv, self.stats)
         self.speculator = self._make_speculator() if cfg.speculative else None
+        # speculative="mtp": steps keep the target's hidden states for the MTP rows run after them
+        self._mtp = self.speculator.drafter if cfg.speculative == "mtp" else None
         self._seqs: dict[str, Sequence] = {}
         self._compiling: list[Sequence] = []  # waiting for their grammar (compiled in a thread pool)
         self._aborted: list[Sequence] = []  # finished by abort(), reported by the next step()
@@ -151,7 +153,7 @@ class Engine:
         self._step_ids = itertools.count()
         self._executor = None
         self._stream_forward = None
-        if cfg.overlap_schedule and self.device.type == "cuda":
+        if cfg.overlap_schedule and self.device.type == "cuda" and self._mtp is None:
             from deepinfer.engine.cuda_overlap import StreamForward
 
             # CUDA: the forward is queued on the stream and waited on by event, no worker thread
@@ -173,6 +175,15 @@ class Engine:
             top = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k), 256))
             sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} | {top})
             cost = ForwardCost(self.runner.measure_forward_cost(sizes))
+        if cfg.speculative == "mtp":
+            from deepinfer.engine.mtp_drafter import MtpDrafter
+
+            if self.runner.num_mtp_layers == 0:
+                raise InvalidRequestError(
+                    f"speculative='mtp': {self.model_source} has no multi-token-prediction layer "
+                    "(config num_nextn_predict_layers and its model.layers.<N>.* tensors); use 'ngram' or 'draft'")
+            # MTP rows run after every step whatever the plan, so a draft costs the verify budget nothing more
+            return Speculator(MtpDrafter(self.runner, cfg.block_size), cost)
         if cfg.speculative == "draft":
             from deepinfer.engine.draft_model import SelfDrafter
 
@@ -457,6 +468,9 @@ class Engine:
                 elif self.speculator is not None:
                     self.speculator.observe(e.seq, len(e.drafts), len(toks) - 1)
         progressed = self.outputs.process(st, samples)
+        if self._mtp is not None:
+            self._mtp.after_step(st)  # before finished sequences give their blocks back
+            st.hidden = None
         self._release_finished()
         if self.speculator is not None and all(e.num_tokens == 1 + len(e.drafts) for e in st.entries):
             # decode(+draft) steps only, the ones the budget chooses between (a prefill chunk is
@@ -519,7 +533,10 @@ class Engine:
 
     def _timed_forward(self, st: Step, prepared, prev_tokens) -> None:
         t0 = time.perf_counter()
-        st.logits = self.runner.forward(prepared, prev_tokens)
+        if self._mtp is not None:
+            st.logits, st.hidden = self.runner.forward_with_hidden(prepared, prev_tokens)
+        else:
+            st.logits = self.runner.forward(prepared, prev_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (only this thread waits) so the times are real
         t1 = time.perf_counter()

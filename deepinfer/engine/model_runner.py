@@ -60,14 +60,18 @@ class ModelRunner:
         mc = model_config
         # (tensors per layer, heads, dim): K and V per head, or one latent entry per token (MLA)
         self.kv_parts, kv_heads, kv_dim = self.model.kv_cache_spec()
-        self.kv_bytes_per_token = mc.num_hidden_layers * self.kv_parts * kv_heads * kv_dim * torch.finfo(dtype).bits // 8
+        # speculative="mtp": the MTP layers' caches are more layers of the same paged cache
+        self.num_mtp_layers = getattr(self.model, "num_mtp_layers", 0) if config.speculative == "mtp" else 0
+        n_layers = mc.num_hidden_layers + self.num_mtp_layers
+        self.kv_bytes_per_token = n_layers * self.kv_parts * kv_heads * kv_dim * torch.finfo(dtype).bits // 8
         self.bytes_per_block = config.block_size * self.kv_bytes_per_token
         self.num_blocks = self._num_blocks()
         self.use_graphs = config.cuda_graphs and device.type == "cuda"
         # one scratch block past the allocator's pool for the padding rows of captured decode steps
         slots = (self.num_blocks + self.use_graphs) * self.block_size
-        self.kv_cache = torch.zeros(mc.num_hidden_layers, self.kv_parts, slots, kv_heads, kv_dim, dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(n_layers, self.kv_parts, slots, kv_heads, kv_dim, dtype=dtype, device=device)
         self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(mc.num_hidden_layers)]
+        self.mtp_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(mc.num_hidden_layers, n_layers)]
         self.linear = self._select_linear(quantized, quant_mode)
         self.attention_fn = None
         self.kernels = config.kernels
@@ -308,15 +312,38 @@ class ModelRunner:
         with K.use_backend(self.kernels):  # (a context variable: set in the thread that runs this)
             return self._forward(batch, prev_tokens, num_layers)
 
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the logit rows, final hidden state [T, hidden] of every query row): for MTP
+        drafting, whose rows read the target's hidden states."""
+        import deepinfer_kernels as K
+
+        with K.use_backend(self.kernels):
+            return self._forward(batch, prev_tokens, with_hidden=True)
+
+    @torch.inference_mode()
+    def forward_mtp(self, batch: "PreparedBatch", hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Logits of MTP layer `depth` at the batch's logit rows; batch.input_ids[i] is the token after
+        the one whose target hidden state is hidden[i] (mtp_drafter.py), its KV goes to the MTP cache."""
+        import deepinfer_kernels as K
+
+        dev = self.device
+        with K.use_backend(self.kernels):
+            rows = batch.logit_rows.to(dev)
+            logits = self.model.mtp_logits(batch.input_ids.to(dev), batch.positions.to(dev), hidden, batch.ctx,
+                                           self.mtp_caches[depth], depth, rows=rows)
+        return logits
+
     def _forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None,
-                 num_layers: int | None = None) -> torch.Tensor:
+                 num_layers: int | None = None, with_hidden: bool = False):
         dev = self.device
         ids = batch.input_ids.to(dev, non_blocking=True)
         if prev_tokens is not None:
             ph = ids < 0
             ids = torch.where(ph, prev_tokens.to(dev)[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
         c = batch.ctx
-        if (num_layers is None and self.graphs is not None and c.num_decode == ids.shape[0] and not c.prefills
+        if (num_layers is None and not with_hidden and self.graphs is not None and c.num_decode == ids.shape[0] and not c.prefills
                 and c.decode_block_tables is not None and self.graphs.fits(c.num_decode, c.decode_block_tables.shape[1])
                 and torch.equal(batch.logit_rows, torch.arange(c.num_decode))):
             return self.graphs.replay(ids, batch.positions.to(dev, non_blocking=True), c.slot_mapping,
@@ -326,8 +353,10 @@ class ModelRunner:
         hidden = self.model(ids, batch.positions.to(dev), batch.ctx, kv)
         if batch.logit_rows.numel():
             sel = hidden.index_select(0, batch.logit_rows.to(dev))
-            return self.model.compute_logits(sel, batch.ctx)
-        return torch.empty(0, self.model_config.vocab_size, device=dev)
+            logits = self.model.compute_logits(sel, batch.ctx)
+        else:
+            logits = torch.empty(0, self.model_config.vocab_size, device=dev)
+        return (logits, hidden) if with_hidden else logits
 
 
 @dataclass

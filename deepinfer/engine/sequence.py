@@ -55,6 +55,7 @@ class Sequence:
     draft_key: Any = None  # what the drafts' acceptance is learned under (speculation.DraftConfidence)
     num_draft_tokens: int = 0  # drafts verified by the target so far
     num_accepted_draft_tokens: int = 0  # of those, accepted
+    mtp_draft: Any = None  # (num_tokens it is for, token, confidence bucket): mtp_drafter.MtpDrafter
 
     @property
     def all_token_ids(self) -> list[int]:

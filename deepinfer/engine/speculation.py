@@ -196,7 +196,10 @@ class Speculator:
         t0 = time.perf_counter()
         drafted: list[tuple[Sequence, list[int], tuple]] = []
         for seq, room in seqs:
-            tokens, key = self.drafter.propose_keyed(seq.all_token_ids, room)
+            if hasattr(self.drafter, "propose_for"):  # drafts kept per sequence (mtp_drafter.py)
+                tokens, key = self.drafter.propose_for(seq, room)
+            else:
+                tokens, key = self.drafter.propose_keyed(seq.all_token_ids, room)
             if tokens:
                 drafted.append((seq, tokens, key))
         plan = VerifyPlan(proposed=sum(len(t) for _, t, _ in drafted))

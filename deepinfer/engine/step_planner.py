@@ -49,6 +49,7 @@ class Step:
     seqs: set = field(default_factory=set)  # id() of the sequences in this batch
     future: Any = None
     logits: Any = None  # [R, V] once the forward pass is done
+    hidden: Any = None  # [T, hidden] final hidden states of every query row (speculative="mtp" only)
     forward_s: float = 0.0  # seconds its forward pass took
     t_start: float = 0.0  # synchronous loop: when the step began (drafting, scheduling), for its cost
 

@@ -196,7 +196,7 @@ def test_batch_invariant_verify_rows_equal_single_decodes(llama):
 def test_config_errors(llama):
     with pytest.raises(InvalidRequestError, match="speculative must be"):
         Engine(llama, kv_cache_memory=8 << 20, speculative="eagle")
-    with pytest.raises(InvalidRequestError, match="not available yet"):
+    with pytest.raises(InvalidRequestError, match="no multi-token-prediction layer"):
         Engine(llama, kv_cache_memory=8 << 20, speculative="mtp")
     with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
         Engine(llama, kv_cache_memory=8 << 20, speculative="ngram", num_speculative_tokens=0)

@@ -63,16 +63,18 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         return len(self.mtp)
 
     def mtp_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                   meta: ForwardContext, kv_cache, depth: int = 0) -> torch.Tensor:
+                   meta: ForwardContext, kv_cache, depth: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] (fp32) of MTP layer `depth` for the token after input_ids[i], given the main
         model's final hidden state `hidden[i]` (this model's forward output) at positions[i], the position
         of the token before input_ids[i]. kv_cache: the MTP layer's own cache, shaped as a layer's of the
-        main cache (kv_cache_spec); meta addresses it like a layer's."""
+        main cache (kv_cache_spec); meta addresses it like a layer's. rows: only these rows' logits."""
         if not 0 <= depth < len(self.mtp):
             raise IndexError(f"MTP layer {depth} requested; the checkpoint has {len(self.mtp)}")
         m = self.mtp[depth]
         rope = self.rotary.tables(positions, hidden.dtype)
         h = m(input_ids, positions, hidden, meta, kv_cache, rope, self.embed_tokens)
+        if rows is not None:
+            h = h.index_select(0, rows)
         head = m.head if m.head is not None else (self.embed_tokens if self.lm_head is None else self.lm_head)
         return meta.linear(h, head, None).float()
 
