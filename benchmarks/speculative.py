@@ -11,7 +11,9 @@ Both engines are greedy and give identical outputs (checked here on every run). 
 best of --repeats runs, on and off alternating, so both see the same host conditions.
 
     python benchmarks/speculative.py [--batches 1 8 32 128] [--max-tokens 96] [--repeats 2]
-        [--method ngram|draft] [--draft-layers N]
+        [--method ngram|draft|mtp] [--draft-layers N] [--model PATH]
+
+--method mtp needs a checkpoint with a multi-token-prediction layer (DeepSeek-V3 family; --model).
 """
 
 from __future__ import annotations
@@ -77,12 +79,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--draft", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--workloads", nargs="+", default=["grounded", "json", "chat"])
-    ap.add_argument("--method", choices=["ngram", "draft"], default="ngram",
-                    help="drafter: prompt lookup, or self-drafting with the first --draft-layers layers")
+    ap.add_argument("--method", choices=["ngram", "draft", "mtp"], default="ngram",
+                    help="drafter: prompt lookup, self-drafting with the first --draft-layers layers, or the "
+                         "checkpoint's MTP layer")
+    ap.add_argument("--model", default=None, help="model path (default: the default model)")
     ap.add_argument("--draft-layers", type=int, default=None)
     args = ap.parse_args()
 
-    common = dict(kv_cache_memory=1 << 30, jump_forward=False)
+    common = dict(model=args.model, kv_cache_memory=1 << 30, jump_forward=False)
     off = Engine(**common)
     extra_on = {"draft_layers": args.draft_layers} if args.method == "draft" else {}
     on = Engine(speculative=args.method, num_speculative_tokens=args.draft, **extra_on, **common)
