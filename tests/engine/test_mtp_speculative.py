@@ -149,3 +149,21 @@ def test_model_without_mtp_layer_is_refused(tmp_path):
     path = make_moe_model(tmp_path / "m", "deepseek_v3", seed=1, num_hidden_layers=2, num_nextn_predict_layers=1)
     with pytest.raises(InvalidRequestError, match="no multi-token-prediction layer"):
         Engine(str(path), kv_cache_memory=1 << 20, speculative="mtp")
+
+
+def test_preemption_and_prefix_hits(oracle):
+    """A KV budget that forces preemptions (the MTP cache is refilled by the recompute) and a second
+    run of the same prompts served from the radix cache (MTP entries shared with the prefix)."""
+    from test_engine_core import random_prompts
+
+    plain = Engine(str(oracle), kv_cache_memory=4 << 20, block_size=4)
+    spec = Engine(str(oracle), kv_cache_memory=40 * 4 * 576, block_size=4, speculative="mtp", speculative_budget=False)
+    prompts = random_prompts(10, seed=9, lo=10, hi=25)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a = plain.generate(prompts, sp)
+    _same(a, spec.generate(prompts, sp))
+    assert spec.stats.num_preemptions > 0, "the budget did not force a preemption"
+    _same(a, spec.generate(prompts, sp))
+    assert spec.stats.cached_prompt_tokens > 0
+    assert spec.stats.accepted_draft_tokens > 0
+    assert_all_blocks_free(spec)
