@@ -10,6 +10,8 @@ releases their KV, since only it knows whether a forward pass in flight still wr
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 
 from deepinfer.engine.kv_manager import KVCacheManager
@@ -19,6 +21,11 @@ from deepinfer.engine.sequence import Sequence, SeqStatus
 from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step
 from deepinfer.engine.structured_output import StructuredOutputs
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern)
 
 
 class OutputProcessor:
@@ -110,6 +117,9 @@ class OutputProcessor:
         if p.stop and n_out >= p.min_tokens and new_text:
             if self._check_stop_strings(seq, len(new_text)):
                 return
+        if p.stop_regex and n_out >= p.min_tokens and new_text:
+            if self._check_stop_regex(seq):
+                return
         if n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             self.finish(seq, "length")
             return
@@ -130,6 +140,20 @@ class OutputProcessor:
         i, s = best
         seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
         self.finish(seq, "stop", s)
+        return True
+
+    def _check_stop_regex(self, seq: Sequence) -> bool:
+        """The earliest-ending match of any stop regex in the text so far (a match wholly inside older
+        text would have stopped an earlier token, so any match now ends in the new text)."""
+        best = None
+        for pattern in seq.params.stop_regex:
+            m = _compiled(pattern).search(seq.text)
+            if m is not None and (best is None or m.end() < best.end()):
+                best = m
+        if best is None:
+            return False
+        seq.text = seq.text[: best.end()]
+        self.finish(seq, "stop", best.group(0))
         return True
 
     @staticmethod

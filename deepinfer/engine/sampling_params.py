@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # stop when the output text matches any of these regexes (Python `re`); the output ends where
+    # the first match ends (the matched text is kept: what was streamed before stays valid)
+    stop_regex: list[str] | str | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; n: plus top-n
     prompt_logprobs: int | None = None  # None: none; 0: each prompt token's logprob; n: plus top-n
@@ -54,6 +58,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        self.stop_regex = list(self.stop_regex or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check()
 
@@ -91,6 +98,9 @@ class SamplingParams:
         if self.stop is not None and not isinstance(self.stop, str):
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
                 raise bad("stop", "a string or a list of strings", self.stop)
+        if self.stop_regex is not None and not isinstance(self.stop_regex, str):
+            if not isinstance(self.stop_regex, (list, tuple)) or not all(isinstance(x, str) for x in self.stop_regex):
+                raise bad("stop_regex", "a string or a list of strings", self.stop_regex)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) for t in self.stop_token_ids):
                 raise bad("stop_token_ids", "a list of ints", self.stop_token_ids)
@@ -124,6 +134,13 @@ class SamplingParams:
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         if any(s == "" for s in self.stop):
             raise bad(f"stop strings must be non-empty strings, got {self.stop!r}")
+        for pattern in self.stop_regex:
+            try:
+                compiled = re.compile(pattern)
+            except re.error as e:
+                raise bad(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None
+            if compiled.fullmatch(""):
+                raise bad(f"stop_regex {pattern!r} matches the empty string, so it would stop before any output")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         for name in ("logprobs", "prompt_logprobs"):

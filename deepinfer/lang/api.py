@@ -94,18 +94,23 @@ def select(
     choices: list[str] | None = None,
     temperature: float = 0.0,
     choices_method: ChoicesMethod | str | None = None,
+    seed: int | None = None,
 ) -> Select:
     """Pick one of `choices` by the model's likelihood (method: see deepinfer.lang.choices).
 
-    `temperature` is accepted for SGLang compatibility; only 0 (pick the best-scored choice) is
-    supported: sampling among choices by score is not implemented.
+    temperature 0 picks the best-scored choice; above 0 a choice is drawn with probabilities
+    softmax(score / temperature) over the method's scores, from `seed` (the same seed, scores and
+    temperature always draw the same choice; None draws from the OS's randomness).
     """
     _check_name(name)
-    if not isinstance(temperature, (int, float)) or temperature != 0:
-        raise InvalidRequestError(f"select supports temperature=0 only (the best-scored choice), got {temperature!r}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0 \
+            or temperature == float("inf"):
+        raise InvalidRequestError(f"select temperature must be a finite number >= 0, got {temperature!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise InvalidRequestError(f"select seed must be an int or None, got {seed!r}")
     if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise InvalidRequestError(f"select needs a non-empty list of non-empty strings, got {choices!r}")
-    return Select(name, list(choices), resolve_method(choices_method))
+    return Select(name, list(choices), resolve_method(choices_method), float(temperature), seed)
 
 
 def _role(role: str, expr: Any) -> Seq:

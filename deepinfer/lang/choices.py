@@ -8,6 +8,7 @@ and the scores they computed, which end up in `state.get_meta_info(name)`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from deepinfer.errors import InvalidRequestError
@@ -30,6 +31,7 @@ class ChoicesMethod:
 
     name = "base"
     needs_unconditional = False
+    score_key = "normalized_prompt_logprobs"  # the scores a temperature > 0 draw samples from
 
     def decide(
         self, cond: list[list[float]], uncond: list[list[float]] | None = None
@@ -83,6 +85,7 @@ class UnconditionalLikelihoodNormalized(ChoicesMethod):
 
     name = "unconditional_likelihood_normalized"
     needs_unconditional = True
+    score_key = "normalized_unconditional_prompt_logprobs"
 
     def decide(self, cond, uncond=None):
         if uncond is None or len(uncond) != len(cond):
@@ -97,6 +100,26 @@ class UnconditionalLikelihoodNormalized(ChoicesMethod):
             "unconditional_token_logprobs": uncond,
             "normalized_unconditional_prompt_logprobs": scores,
         }
+
+
+def sample_choice(scores: Sequence[float], temperature: float, seed: int | None) -> tuple[int, list[float]]:
+    """Draw an index with probabilities softmax(scores / temperature) (inverse CDF in choice order
+    from one uniform: hash32(seed) / 2^32, or the OS's randomness without a seed); and the probs."""
+    import random
+
+    from deepinfer_kernels import rng
+
+    top = max(scores)
+    weights = [math.exp((s - top) / temperature) if s != float("-inf") else 0.0 for s in scores]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    u = rng.hash32(seed) / 2**32 if seed is not None else random.SystemRandom().random()
+    acc = 0.0
+    for i, p in enumerate(probs):
+        acc += p
+        if u < acc:
+            return i, probs
+    return max(i for i, p in enumerate(probs) if p > 0), probs  # u within rounding of 1
 
 
 token_length_normalized = TokenLengthNormalized()

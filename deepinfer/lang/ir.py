@@ -78,6 +78,8 @@ class Select(Expr):
     name: str | None
     choices: list[str]
     method: Any  # a ChoicesMethod
+    temperature: float = 0.0  # > 0: sample a choice with probabilities softmax(score / temperature)
+    seed: int | None = None  # that draw's seed (None: not reproducible)
 
 
 ROLES = ("system", "user", "assistant")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import ProgramError
+from deepinfer.lang.choices import sample_choice
 
 if TYPE_CHECKING:
     from deepinfer.lang.state import ProgramState
@@ -145,6 +146,9 @@ class SelectOp(Op):
         if self.method.needs_unconditional:
             uncond = [self._choice_logprobs(self.outs[("u", i)], len(self.choice_ids[i])) for i in range(k)]
         index, scores = self.method.decide(cond, uncond)
+        if self.expr.temperature > 0:
+            index, scores["choice_probs"] = sample_choice(scores[self.method.score_key], self.expr.temperature,
+                                                          self.expr.seed)
         meta = {
             "choices": list(self.expr.choices),
             "method": self.method.name,

@@ -1,6 +1,7 @@
 """SGLang API names that port with renames only (README table), on the FakeEngine."""
 
 import asyncio
+import math
 
 import pytest
 
@@ -58,14 +59,35 @@ def test_logprob_options_map_onto_engine_logprobs(engine):
     assert len(meta["logprobs"]) == meta["completion_tokens"]
 
 
-def test_select_temperature_zero_only(engine):
+def test_select_temperature(engine):
     @di.function
-    def prog(s):
-        s += "Pick: " + di.select("c", ["yes", "no"], temperature=0.0)
+    def prog(s, t, seed):
+        s += "Pick: " + di.select("c", ["yes", "no", "maybe"], temperature=t, seed=seed)
 
-    assert prog.run(backend=engine).ok
-    with pytest.raises(InvalidRequestError, match="temperature=0"):
-        di.select("c", ["yes", "no"], temperature=0.5)
+    best = prog.run(backend=engine, t=0.0, seed=None)
+    assert best.ok and "choice_probs" not in best.get_meta_info("c")
+    states = prog.run_batch([{"t": 5.0, "seed": k} for k in range(300)], backend=engine)
+    assert all(st.ok for st in states)
+    meta = states[0].get_meta_info("c")
+    scores = meta["normalized_prompt_logprobs"]
+    z = [math.exp(x / 5.0) for x in scores]
+    want = [w / sum(z) for w in z]
+    assert meta["choice_probs"] == pytest.approx(want)
+    freq = [sum(st["c"] == c for st in states) / len(states) for c in ("yes", "no", "maybe")]
+    assert freq == pytest.approx(want, abs=0.09)  # 300 draws: ~3 standard deviations
+    again = prog.run_batch([{"t": 5.0, "seed": k} for k in range(20)], backend=engine)
+    assert [st["c"] for st in again] == [st["c"] for st in states[:20]]  # a seed always draws the same
+    for bad in (-1.0, float("inf"), "hot", True):
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            di.select("c", ["yes", "no"], temperature=bad)
+
+
+def test_sample_choice_frequencies():
+    from deepinfer.lang.choices import sample_choice
+
+    picks = [sample_choice([0.0, math.log(3.0), float("-inf")], 1.0, seed)[0] for seed in range(4000)]
+    assert picks.count(2) == 0
+    assert picks.count(1) / len(picks) == pytest.approx(0.75, abs=0.03)
 
 
 def test_copy_and_var_scope(engine):
