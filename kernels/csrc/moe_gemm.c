@@ -23,6 +23,9 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -40,7 +43,14 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 static inline vf ldv(const float *p) { return *(const vfu *)p; }
 static inline void stv(float *p, vf x) { *(vfu *)p = x; }
+/* (not (vf){0} + x where the intrinsic exists: that adds 0.0 to every broadcast scalar first) */
+#if defined(__AVX512F__)
+static inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
+#elif defined(__AVX__)
+static inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+#else
 static inline vf splat(float x) { return (vf){0} + x; }
+#endif
 
 /* exp(x), x clamped to [-87, 88]: 2^n * p(f), n = round(x / ln 2), f in [-0.35, 0.35], p the
  * degree-7 Taylor polynomial (the same scheme as vec16.h's exp16, at this file's vector width). */
