@@ -230,9 +230,10 @@ def moe_experts(x, idx, gate_up, down, gemm=grouped_gemm_tilelang):
     gate_up [E, 2I, H] and down [E, H, I]: a stable sort of the (token, slot) pairs by expert, the gated
     grouped GEMM, the down grouped GEMM, and the rows put back in (token, slot) order. No host sync."""
     T_, k = idx.shape
-    flat = idx.reshape(-1)
+    flat = idx.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    # (scatter_add, not bincount: CUDA's bincount reads the max back to the host)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
     tiles = make_tiles(counts, flat.numel())
     xs = x.index_select(0, order // k)
     h = gemm(xs, gate_up, *tiles, gated=True)
@@ -240,3 +241,15 @@ def moe_experts(x, idx, gate_up, down, gemm=grouped_gemm_tilelang):
     out = torch.empty_like(ys)
     out.index_copy_(0, order, ys)
     return out.view(T_, k, -1)
+
+
+def warmup(gate_up, down) -> None:
+    """Compile both GEMMs of `moe_experts` for these weights' device, shapes and dtype."""
+    i, h = down.shape[2], down.shape[1]
+    if gate_up.is_cuda:
+        tdt = _TL_DTYPE[gate_up.dtype]
+        _tilelang.compile_cached(("grouped_gemm", "cuda", i, h, True, tdt), lambda: build_gpu(i, h, True, tdt), "cuda")
+        _tilelang.compile_cached(("grouped_gemm", "cuda", h, i, False, tdt), lambda: build_gpu(h, i, False, tdt), "cuda")
+    else:
+        _tilelang.compile_cached(("grouped_gemm", "c", i, h, True), lambda: build_cpu(i, h, True), "c")
+        _tilelang.compile_cached(("grouped_gemm", "c", h, i, False), lambda: build_cpu(h, i, False), "c")

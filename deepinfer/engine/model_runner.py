@@ -68,13 +68,12 @@ class ModelRunner:
         slots = (self.num_blocks + self.use_graphs) * self.block_size
         self.kv_cache = torch.zeros(mc.num_hidden_layers, self.kv_parts, slots, kv_heads, kv_dim, dtype=dtype, device=device)
         self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(mc.num_hidden_layers)]
-        # MoE experts on the native grouped GEMM (cpu_experts.py); before the linear, which then skips them
-        self.native_expert_blocks = 0
-        if (device.type == "cpu" and dtype == torch.float32 and config.kernels == "auto" and config.cpu_prepack
-                and not (quantized and quant_mode)):
-            from deepinfer.engine.cpu_experts import install_native_experts
+        # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
+        self.expert_kernel_blocks = 0
+        if not (quantized and quant_mode):
+            from deepinfer.engine.expert_kernels import install_expert_kernels
 
-            self.native_expert_blocks = install_native_experts(self.model)
+            self.expert_kernel_blocks = install_expert_kernels(self.model, device, dtype, config.kernels, config.cpu_prepack)
         self.linear = self._select_linear(quantized, quant_mode)
         self.attention_fn = None
         self.kernels = config.kernels

@@ -36,13 +36,13 @@ def _ctx(eng: Engine) -> ForwardContext:
 def test_runner_installs_the_native_experts_and_packs_them_once(v3_path):
     eng = Engine(str(v3_path), kv_cache_memory=1 << 20)
     blocks = _blocks(eng)
-    assert blocks and eng.runner.native_expert_blocks == len(blocks)
+    assert blocks and eng.runner.expert_kernel_blocks == len(blocks)
     assert all(b.expert_kernel is not None for b in blocks)
     packed = set(getattr(eng.runner.linear, "packed", {})) | set(getattr(eng.runner.linear, "packed_gated", {}))
     experts = {w.data_ptr() for b in blocks for w in list(b.expert_gate_up) + list(b.expert_down)}
     assert packed and not packed & experts, "expert weights were also packed for the linear"
     # kernels="torch" keeps the per-expert GEMMs
-    assert Engine(str(v3_path), kv_cache_memory=1 << 20, kernels="torch").runner.native_expert_blocks == 0
+    assert Engine(str(v3_path), kv_cache_memory=1 << 20, kernels="torch").runner.expert_kernel_blocks == 0
 
 
 @needs_native
@@ -83,7 +83,7 @@ def test_a_block_holding_a_subset_of_experts(v3_path, native):
         sub.expert_gate_up[i].data = full.expert_gate_up[e].data
         sub.expert_down[i].data = full.expert_down[e].data
     if native:
-        from deepinfer.engine.cpu_experts import install_native_experts
+        from deepinfer.engine.expert_kernels import install_native_experts
 
         assert install_native_experts(sub) == 1
     meta = _ctx(eng)

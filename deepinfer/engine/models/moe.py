@@ -9,9 +9,10 @@ Routing (engine/moe_config.MoeConfig):
   e_score_correction_bias, within the topk_group best of n_group groups (a group scores the sum of
   its two best), and *weighted* by the plain scores, renormalised, times routed_scaling_factor.
 
-Experts: on CPU fp32 with the native kernels (engine/cpu_experts.py installs it at load) all
+Experts: on CPU fp32 with the native kernels (engine/expert_kernels.py installs it at load) all
 routed experts run in one native grouped-GEMM call (deepinfer_kernels.moe_gemm: counting sort by
-expert, gate/up with silu * mul in registers, down written to each pair's row); elsewhere the
+expert, gate/up with silu * mul in registers, down written to each pair's row), on CUDA in two
+TileLang grouped GEMMs (deepinfer_kernels.grouped_gemm); elsewhere the
 (token, slot) pairs are sorted by expert (a stable sort, so token order is kept inside an expert)
 and each active expert runs one GEMM over its rows through ForwardContext.linear / silu_mul. A
 token's expert output is one row of that GEMM; with a row-invariant GEMM (the native kernel always,
@@ -52,7 +53,7 @@ class MoeBlock(nn.Module):
                 raise MoeConfigError(f"local_experts must be distinct expert ids in [0, {E}), got {self.local_experts}")
             self._global_to_local = torch.full((E,), -1, dtype=torch.long)
             self._global_to_local[self.local_experts] = torch.arange(len(self.local_experts))
-        self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (cpu_experts.py)
+        self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
         # the router stays fp32 whatever the model dtype (DeepSeek-V3 routes in fp32; on CPU all is fp32)
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False)
         self.score_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if moe.correction_bias else None
