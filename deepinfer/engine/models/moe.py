@@ -112,7 +112,7 @@ class MoeBlock(nn.Module):
         if bool((local < 0).any()):
             missing = sorted(set(idx[local < 0].tolist()))
             raise MoeConfigError(f"tokens routed to experts {missing}, which this block does not hold "
-                             f"(it holds {self.local_experts})")
+                                 f"(it holds {self.local_experts})")
         return local
 
     def set_expert_kernel(self, kernel) -> None:
