@@ -210,6 +210,7 @@ def build_gpu(n: int, k: int, gated: bool, dtype: str = "bfloat16", block_m: int
 def grouped_gemm_tilelang(x, w, tile_start, tile_end, tile_expert, gated: bool = False):
     """Run the TileLang kernel for the tensors' device; returns y [R, N]. Compiles once per
     (device kind, N, K, gated, dtype); rows, experts and tiles are dynamic."""
+    check_args(x, w, tile_start, tile_end, tile_expert, gated)
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = x.shape[1]
     if x.is_cuda:

@@ -136,3 +136,10 @@ def test_gpu_engine_runs_moe_experts_through_the_kernel(cuda_device, tilelang_av
     assert ref.runner.expert_kernel_blocks == 0
     a, b = eng.generate(prompts, sp), ref.generate(prompts, sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_the_kernel_entry_checks_its_inputs():
+    x = torch.randn(4, 8)
+    tiles = G.make_tiles(torch.tensor([2, 2]), 4)
+    with pytest.raises(KernelInputError, match=r"w.shape\[2\] must be 8"):
+        G.grouped_gemm_tilelang(x, torch.randn(2, 6, 9), *tiles)
