@@ -56,6 +56,12 @@ class ModelRunner:
         self.model = build_model(model_config)
         self.model.load_weights(weights, dtype, device)
         self.model.eval()
+        # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
+        self.expert_kernel_blocks = 0
+        if not (quantized and quant_mode):
+            from deepinfer.engine.expert_kernels import install_expert_kernels
+
+            self.expert_kernel_blocks = install_expert_kernels(self.model, device, dtype, config.kernels, config.cpu_prepack)
         self.block_size = config.block_size
         mc = model_config
         # (tensors per layer, heads, dim): K and V per head, or one latent entry per token (MLA)
@@ -68,12 +74,6 @@ class ModelRunner:
         slots = (self.num_blocks + self.use_graphs) * self.block_size
         self.kv_cache = torch.zeros(mc.num_hidden_layers, self.kv_parts, slots, kv_heads, kv_dim, dtype=dtype, device=device)
         self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(mc.num_hidden_layers)]
-        # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
-        self.expert_kernel_blocks = 0
-        if not (quantized and quant_mode):
-            from deepinfer.engine.expert_kernels import install_expert_kernels
-
-            self.expert_kernel_blocks = install_expert_kernels(self.model, device, dtype, config.kernels, config.cpu_prepack)
         self.linear = self._select_linear(quantized, quant_mode)
         self.attention_fn = None
         self.kernels = config.kernels
