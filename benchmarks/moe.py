@@ -10,7 +10,10 @@ Grouped GEMM: one MoE layer's experts (ModelRunner's packed linear, as the engin
 `--gemm-tokens` routed tokens, in GFLOP/s, against the same linear on one dense weight of the same
 shape over all top-k rows (the dense GEMM peak for that work).
 
-    python benchmarks/moe.py [--batches 1 8 32 128] [--new-tokens 8] [--repeats 2] [--models v3 qwen3]
+`--per-expert` also runs the engine as it was before the grouped expert kernel (MoE experts as one
+oneDNN GEMM pair per active expert, expert_kernels not installed) in the same run, for before/after.
+
+    python benchmarks/moe.py [--batches 1 8 32 128] [--new-tokens 8] [--repeats 2] [--models v3 qwen3] [--per-expert]
 """
 
 from __future__ import annotations
@@ -126,6 +129,18 @@ def gemm_rates(engine: Engine, tokens: int, repeats: int) -> tuple[float, float]
     return flops / best_g / 1e9, flops / best_d / 1e9
 
 
+def per_expert_engine(path: str) -> Engine:
+    """An engine whose MoE blocks keep the per-expert GEMMs (the grouped expert kernel not installed)."""
+    from deepinfer.engine import expert_kernels
+
+    real = expert_kernels.install_expert_kernels
+    expert_kernels.install_expert_kernels = lambda *a, **k: 0
+    try:
+        return Engine(path, kv_cache_memory=256 << 20)
+    finally:
+        expert_kernels.install_expert_kernels = real
+
+
 def kv_bytes(engine: Engine) -> tuple[int, int]:
     """(bytes per token of this engine's cache, of a per-head K/V cache of the same attention)."""
     mc = engine.model_config
@@ -144,6 +159,7 @@ def main() -> None:
     ap.add_argument("--gemm-tokens", type=int, default=128)
     ap.add_argument("--models", nargs="+", default=["v3", "qwen3"])
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--per-expert", action="store_true", help="also run the per-expert GEMM path (before/after)")
     args = ap.parse_args()
     import transformers
 
@@ -153,32 +169,45 @@ def main() -> None:
         for kind in args.models:
             path = build(kind, root)
             engine = Engine(path, kv_cache_memory=256 << 20)
+            old = per_expert_engine(path) if args.per_expert else None
             hf = None if args.no_hf else transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             vocab = engine.model_config.vocab_size
-            engine.generate(prompts(2, vocab), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            for e in (engine, old):
+                if e is not None:
+                    e.generate(prompts(2, vocab), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
             name = {"v3": "DeepSeek-V3-shaped", "qwen3": "Qwen3-MoE-shaped"}[kind]
             print(f"\n{name}: {engine.model_config.num_hidden_layers} layers, hidden {engine.model_config.hidden_size}, "
                   f"{engine.model_config.moe.num_experts} experts top-{engine.model_config.moe.top_k}, "
                   f"linear={getattr(engine.runner.linear, 'backend', 'torch')}")
-            print(f"{'batch':>6} {'deepinfer tok/s':>16} {'hf tok/s':>10} {'ratio':>7}")
+            extra = f" {'per-expert tok/s':>17} {'ratio':>7} {'grouped/per-expert':>19}" if old is not None else ""
+            print(f"{'batch':>6} {'deepinfer tok/s':>16} {'hf tok/s':>10} {'ratio':>7}{extra}", flush=True)
             for b in args.batches:
                 ids = prompts(b, vocab)
-                best_o = best_h = 0.0
+                best_o = best_h = best_p = 0.0
                 for _ in range(args.repeats):
                     best_o = max(best_o, ours(engine, ids, args.new_tokens))
+                    if old is not None:
+                        best_p = max(best_p, ours(old, ids, args.new_tokens))
                     if hf is not None:
                         best_h = max(best_h, theirs(hf, ids, args.new_tokens))
                 ratio = f"{best_o / best_h:7.2f}" if best_h else "      -"
-                print(f"{b:>6} {best_o:>16.1f} {best_h:>10.1f} {ratio}")
-            g, d = gemm_rates(engine, args.gemm_tokens, args.repeats)
-            print(f"grouped expert GEMM at {args.gemm_tokens} tokens: {g:.1f} GFLOP/s; dense GEMM same work: "
-                  f"{d:.1f} GFLOP/s; grouped/dense = {g / d:.2f}")
+                line = f"{b:>6} {best_o:>16.1f} {best_h:>10.1f} {ratio}"
+                if old is not None:
+                    r_old = f"{best_p / best_h:7.2f}" if best_h else "      -"
+                    line += f" {best_p:>17.1f} {r_old} {best_o / best_p:>19.2f}"
+                print(line, flush=True)
+            for label, e in (("grouped expert kernel", engine), ("per-expert GEMMs", old)):
+                if e is None:
+                    continue
+                g, d = gemm_rates(e, args.gemm_tokens, args.repeats)
+                print(f"{label} at {args.gemm_tokens} tokens: {g:.1f} GFLOP/s; dense GEMM same work: "
+                      f"{d:.1f} GFLOP/s; grouped/dense = {g / d:.2f}", flush=True)
             ours_b, per_head = kv_bytes(engine)
             if engine.model_config.mla is not None:
                 print(f"KV bytes/token: MLA latent {ours_b} vs per-head K/V {per_head} ({per_head / ours_b:.1f}x smaller)")
             else:
                 print(f"KV bytes/token: GQA {ours_b}")
-            del engine, hf
+            del engine, hf, old
 
 
 if __name__ == "__main__":

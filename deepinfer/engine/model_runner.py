@@ -56,6 +56,12 @@ class ModelRunner:
         self.model = build_model(model_config)
         self.model.load_weights(weights, dtype, device)
         self.model.eval()
+        # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
+        self.expert_kernel_blocks = 0
+        if not (quantized and quant_mode):
+            from deepinfer.engine.expert_kernels import install_expert_kernels
+
+            self.expert_kernel_blocks = install_expert_kernels(self.model, device, dtype, config.kernels, config.cpu_prepack)
         self.block_size = config.block_size
         mc = model_config
         # (tensors per layer, heads, dim): K and V per head, or one latent entry per token (MLA)

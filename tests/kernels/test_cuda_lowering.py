@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepinfer_kernels import _tilelang, noise, paged_attention, rmsnorm, sampling
+from deepinfer_kernels import _tilelang, grouped_gemm, noise, paged_attention, rmsnorm, sampling
 
 GPU_BUILDERS = {
     "masked_sample": sampling.build_gpu,
@@ -12,6 +12,8 @@ GPU_BUILDERS = {
     "rmsnorm_f32_576": lambda: rmsnorm.build_gpu(576, 1e-5, "float32"),
     "attention_split_f32": lambda: paged_attention.build_gpu_split(9, 3, 64, 16, 0.125, "float32"),
     "attention_merge_f32": lambda: paged_attention.build_gpu_merge(9, 64, "float32"),
+    "grouped_gemm_gated_bf16": lambda: grouped_gemm.build_gpu(96, 256, True, "bfloat16"),
+    "grouped_gemm_f32": lambda: grouped_gemm.build_gpu(256, 96, False, "float32"),
 }
 SLOW_BUILDERS = {
     "rmsnorm_bf16_4096": lambda: rmsnorm.build_gpu(4096, 1e-6, "bfloat16"),

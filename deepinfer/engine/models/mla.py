@@ -86,7 +86,8 @@ class MlaAttention(nn.Module):
             for h in range(H):
                 q_full[:, h, : self.r] = meta.linear(q[:, h, : self.nope].contiguous(), self.uk_t[h], None)
         else:  # one batched GEMM over the heads (2H calls cost 25% of a batch-8 decode step as linears)
-            torch.bmm(q[..., : self.nope].transpose(0, 1), self.uk_stack, out=q_full[..., : self.r].transpose(0, 1))
+            # into a fresh [H, T, r], then copied: bmm's out= into the transposed view measured 2.5x slower
+            q_full[..., : self.r] = torch.bmm(q[..., : self.nope].transpose(0, 1), self.uk_stack).transpose(0, 1)
         cache = kv_cache[0]  # [slots, 1, kv_lora_rank + rope]
         cache.index_copy_(0, meta.slot_mapping, self.latent(x, rope, meta).unsqueeze(1))
         o = paged_attention(q_full, None, None, cache, cache, meta, self.scale)  # [T, H, r + rope]
@@ -95,7 +96,7 @@ class MlaAttention(nn.Module):
             for h in range(H):
                 out[:, h] = meta.linear(o[:, h, : self.r].contiguous(), self.uv[h], None)
         else:
-            torch.bmm(o[..., : self.r].transpose(0, 1), self.uv_stack, out=out.transpose(0, 1))
+            out = torch.bmm(o[..., : self.r].transpose(0, 1), self.uv_stack).transpose(0, 1).contiguous()
         return meta.linear(out.view(T, H * self.v_dim), self.o_weight, None)
 
     def linear_weights(self) -> list[torch.Tensor]:

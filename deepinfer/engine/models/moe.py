@@ -9,12 +9,18 @@ Routing (engine/moe_config.MoeConfig):
   e_score_correction_bias, within the topk_group best of n_group groups (a group scores the sum of
   its two best), and *weighted* by the plain scores, renormalised, times routed_scaling_factor.
 
-Experts: the (token, slot) pairs are sorted by expert (a stable sort, so token order is kept inside
-an expert) and each active expert runs one GEMM over its rows through ForwardContext.linear /
-silu_mul, i.e. on the weights CpuLinear packed once at load. A token's expert output is one row of
-that GEMM; with a row-invariant GEMM (the batch-invariant mode's) it does not depend on which other
-tokens share the expert, and the slot-order sum below is elementwise, so `batch_invariant=True`
-holds with MoE.
+Experts: on CPU fp32 with the native kernels (engine/expert_kernels.py installs it at load) all
+routed experts run in one native grouped-GEMM call (deepinfer_kernels.moe_gemm: counting sort by
+expert, gate/up with silu * mul in registers, down written to each pair's row), on CUDA in two
+TileLang grouped GEMMs (deepinfer_kernels.grouped_gemm); elsewhere the
+(token, slot) pairs are sorted by expert (a stable sort, so token order is kept inside an expert)
+and each active expert runs one GEMM over its rows through ForwardContext.linear / silu_mul. A
+token's expert output is one row of that GEMM; with a row-invariant GEMM (the native kernel always,
+the batch-invariant mode's linear) it does not depend on which other tokens share the expert, and
+the slot-order sum below is elementwise, so `batch_invariant=True` holds with MoE.
+
+A block may hold a subset of the experts (`local_experts`, global ids; default all): its weights
+are those experts' only, and `grouped_experts` takes global ids.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.engine.attention import ForwardContext
-from deepinfer.engine.moe_config import MoeConfig
+from deepinfer.engine.moe_config import MoeConfig, MoeConfigError
 
 
 class MoeBlock(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoeConfig, shared_name: str = "shared_expert"):
+    def __init__(self, hidden_size: int, moe: MoeConfig, shared_name: str = "shared_expert",
+                 local_experts: list[int] | None = None):
         super().__init__()
         from deepinfer.engine.models.layers import GatedMLP
 
@@ -38,13 +45,22 @@ class MoeBlock(nn.Module):
         self.moe = moe
         self.hidden = hidden_size
         self.inter = inter
+        # the global ids of the experts this block holds, in the order of its weight lists
+        self.local_experts = list(range(E)) if local_experts is None else list(local_experts)
+        self._global_to_local = None  # [E] int64 (-1: not held), only for a subset
+        if self.local_experts != list(range(E)):
+            if len(set(self.local_experts)) != len(self.local_experts) or not all(0 <= e < E for e in self.local_experts):
+                raise MoeConfigError(f"local_experts must be distinct expert ids in [0, {E}), got {self.local_experts}")
+            self._global_to_local = torch.full((E,), -1, dtype=torch.long)
+            self._global_to_local[self.local_experts] = torch.arange(len(self.local_experts))
+        self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
         # the router stays fp32 whatever the model dtype (DeepSeek-V3 routes in fp32; on CPU all is fp32)
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False)
         self.score_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if moe.correction_bias else None
         self.expert_gate_up = nn.ParameterList(
-            nn.Parameter(torch.empty(2 * inter, hidden_size), requires_grad=False) for _ in range(E))
+            nn.Parameter(torch.empty(2 * inter, hidden_size), requires_grad=False) for _ in self.local_experts)
         self.expert_down = nn.ParameterList(
-            nn.Parameter(torch.empty(hidden_size, inter), requires_grad=False) for _ in range(E))
+            nn.Parameter(torch.empty(hidden_size, inter), requires_grad=False) for _ in self.local_experts)
         self.shared_name = shared_name
         self.shared = None
         if moe.shared_intermediate_size:
@@ -87,12 +103,35 @@ class MoeBlock(nn.Module):
             h = F.silu(g) * u
         return meta.linear(h, self.expert_down[e], None)
 
+    def to_local(self, idx: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> positions in this block's weight lists (identity when it holds all)."""
+        if self._global_to_local is None:
+            return idx
+        lut = self._global_to_local.to(idx.device)
+        local = lut[idx]
+        if bool((local < 0).any()):
+            missing = sorted(set(idx[local < 0].tolist()))
+            raise MoeConfigError(f"tokens routed to experts {missing}, which this block does not hold "
+                                 f"(it holds {self.local_experts})")
+        return local
+
+    def set_expert_kernel(self, kernel) -> None:
+        """Run the routed experts through kernel(x, local ids) -> [T, k, H] (None: per-expert GEMMs)."""
+        self.expert_kernel = kernel
+
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E_local, 2I, H], down [E_local, H, I]): copies of the experts' weights, stacked."""
+        return torch.stack([w.data for w in self.expert_gate_up]), torch.stack([w.data for w in self.expert_down])
+
     def grouped_experts(self, x: torch.Tensor, idx: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
-        """[T, k, H]: the output of expert idx[t, j] on token t, one GEMM per active expert."""
+        """[T, k, H]: the output of expert idx[t, j] (a global id) on token t, one GEMM per active expert."""
+        idx = self.to_local(idx)
+        if self.expert_kernel is not None:
+            return self.expert_kernel(x, idx)
         T, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=len(self.local_experts)).tolist()
         xs = x.index_select(0, order // k)
         ys = torch.empty(T * k, self.hidden, dtype=x.dtype, device=x.device)
         start = 0
@@ -120,7 +159,8 @@ class MoeBlock(nn.Module):
 
     # ---- weights --------------------------------------------------------------------------------
     def linear_weights(self) -> list[torch.Tensor]:
-        ws = [self.gate_weight.data] + [w.data for w in self.expert_down]
+        # (the experts' weights only while they go through ForwardContext.linear, not the expert kernel)
+        ws = [self.gate_weight.data] + ([w.data for w in self.expert_down] if self.expert_kernel is None else [])
         if self.shared is not None:
             ws += self.shared.linear_weights()
         if self.shared_gate_weight is not None:
@@ -128,7 +168,7 @@ class MoeBlock(nn.Module):
         return ws
 
     def gated_weights(self) -> list[torch.Tensor]:
-        ws = [w.data for w in self.expert_gate_up]
+        ws = [w.data for w in self.expert_gate_up] if self.expert_kernel is None else []
         return ws + (self.shared.gated_weights() if self.shared is not None else [])
 
     def load(self, prefix: str, take, put) -> None:
@@ -137,11 +177,11 @@ class MoeBlock(nn.Module):
         if self.score_bias is not None:
             n = prefix + "gate.e_score_correction_bias"
             put(self.score_bias, take(n), n, dtype=torch.float32)
-        for e in range(self.moe.num_experts):
+        for i, e in enumerate(self.local_experts):
             p = f"{prefix}experts.{e}."
             gu = torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")], 0)
-            put(self.expert_gate_up[e], gu, p + "gate_up_proj.weight")
-            put(self.expert_down[e], take(p + "down_proj.weight"), p + "down_proj.weight")
+            put(self.expert_gate_up[i], gu, p + "gate_up_proj.weight")
+            put(self.expert_down[i], take(p + "down_proj.weight"), p + "down_proj.weight")
         if self.shared is not None:
             self.shared.load(f"{prefix}{self.shared_name}.", take, put)
         if self.shared_gate_weight is not None:

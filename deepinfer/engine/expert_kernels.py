@@ -1,0 +1,124 @@
+"""Which kernel runs the routed experts of every MoE block: one grouped-GEMM call per layer.
+
+* CPU fp32: the native grouped GEMM (deepinfer_kernels.moe_gemm). `install_expert_kernels` packs
+  each MoeBlock's experts once at load (stacked, in the kernel's panels). Installed before the
+  runner builds its CpuLinear, so the experts' weights are packed once, here, not also for the linear.
+* CUDA: the TileLang grouped GEMM (deepinfer_kernels.grouped_gemm), on the experts' weights stacked
+  [E, 2I, H] / [E, H, I]; the per-expert parameters become views of the stacks (no second copy).
+  Compiled at install; a failed compile keeps the per-expert GEMMs (with a warning) under
+  kernels="auto" and raises under kernels="tilelang".
+
+Why (2-core AVX2 EPYC, shared and loaded, so ratios only): the per-expert path (argsort,
+index_select, a oneDNN gate/up and down call per active expert, index_copy) measured 1.2-2.8x slower
+per DeepSeek-V3-shaped layer (32 experts of 1024 x 256, top-4, weights from memory, 1 thread) than one
+native call at 1-32 tokens; end to end (benchmarks/moe.py, 2 threads, separate runs) the V3-shaped
+model went from 1.19 / 1.74 / 0.86x transformers at batch 1 / 8 / 32 to 1.65 / 6.30 / 5.21x (4.32x
+at 128); side by side in one run (--per-expert) 1.08x / 3.57x the per-expert engine at batch 1 / 8.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+
+class NativeExperts(nn.Module):
+    """One MoE block's experts packed for `moe_gemm.moe_experts`; callable (x, local ids) -> [T, k, H].
+    The packed panels are non-persistent buffers, so the runner's weight_bytes counts them."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        from deepinfer_kernels import moe_gemm
+
+        self._kernel = moe_gemm.moe_experts
+        p = moe_gemm.pack_experts(gate_up, down)
+        self.register_buffer("packed_gate_up", p.gate_up, persistent=False)
+        self.register_buffer("packed_down", p.down, persistent=False)
+        self._packed = p
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, idx, self._packed)
+
+
+class TileLangExperts(nn.Module):
+    """One MoE block's experts for `grouped_gemm.moe_experts` on CUDA; callable (x, local ids) -> [T, k, H]."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        from deepinfer_kernels import grouped_gemm
+
+        self._kernel = grouped_gemm.moe_experts
+        self.gate_up, self.down = gate_up, down  # the block's parameters are views of these
+        # compile both GEMMs now, never on the step path
+        grouped_gemm.warmup(gate_up, down)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, idx, self.gate_up, self.down)
+
+
+def _stack_in_place(block) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack the block's expert weights and re-point each expert's parameter at its slice."""
+    gu, down = block.stacked_expert_weights()
+    for i in range(len(block.expert_gate_up)):
+        block.expert_gate_up[i].data = gu[i]
+        block.expert_down[i].data = down[i]
+    return gu, down
+
+
+def install_expert_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str = "auto",
+                           cpu_prepack: bool = True) -> int:
+    """Install the grouped expert kernel for this device in every MoeBlock of model; returns how many
+    blocks use it (0: they keep the per-expert GEMMs). On CPU only for fp32 with kernels="auto" and
+    packing allowed (cpu_prepack, EngineConfig's switch for packed weight copies)."""
+    if device.type == "cpu":
+        return install_native_experts(model) if dtype == torch.float32 and kernels == "auto" and cpu_prepack else 0
+    if device.type != "cuda" or kernels == "torch":
+        return 0
+    from deepinfer.engine.models.moe import MoeBlock
+    from deepinfer_kernels import _tilelang
+
+    blocks = [m for m in model.modules() if isinstance(m, MoeBlock) and len(m.expert_gate_up)]
+    if not blocks:
+        return 0
+    if not _tilelang.available():
+        if kernels == "tilelang":
+            raise RuntimeError(f"kernels='tilelang': TileLang is not importable ({_tilelang.import_error()})")
+        return 0
+    try:
+        for b in blocks:
+            b.set_expert_kernel(TileLangExperts(*_stack_in_place(b)))
+    except Exception as e:  # noqa: BLE001 - a compile failure means "keep the per-expert GEMMs"
+        if kernels == "tilelang":
+            raise
+        for b in blocks:
+            b.set_expert_kernel(None)
+        warnings.warn(f"the TileLang grouped expert GEMM is unavailable ({type(e).__name__}: {e}); MoE experts "
+                      "run as per-expert GEMMs", RuntimeWarning, stacklevel=2)
+        return 0
+    return len(blocks)
+
+
+def native_experts_available() -> bool:
+    from deepinfer_kernels import moe_gemm
+
+    return moe_gemm.available()
+
+
+def install_native_experts(model: nn.Module) -> int:
+    """Pack and install the native expert kernel in every MoeBlock of model (fp32 CPU weights);
+    returns how many blocks now use it (0 where the native kernels do not build)."""
+    from deepinfer.engine.models.moe import MoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
+    if not blocks or not native_experts_available():
+        return 0
+    n = 0
+    for b in blocks:
+        if not len(b.expert_gate_up) or b.expert_gate_up[0].dtype != torch.float32 or b.expert_gate_up[0].device.type != "cpu":
+            continue
+        gu, down = b.stacked_expert_weights()
+        b.set_expert_kernel(NativeExperts(gu, down))
+        n += 1
+    return n

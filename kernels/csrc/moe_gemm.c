@@ -1,0 +1,224 @@
+/* The routed experts of a mixture-of-experts layer as one grouped GEMM pair, fp32 on CPU:
+ *
+ *   for every (token t, slot j) with expert e = idx[t, j]:
+ *       y[t * k + j, :] = down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t]))
+ *
+ * in one call: a stable counting sort of the (token, slot) pairs by expert, then for every active
+ * expert its gate/up GEMM (silu * mul applied in registers) into a scratch [T*k, I], a barrier,
+ * and its down GEMM written straight to the pair's output row. No gathered copy of x, no scatter
+ * copy of y, no per-expert call from Python: the torch version (argsort, index_select, 2 GEMMs per
+ * active expert, index_copy) spent most of a decode step's MoE time in per-call overhead.
+ *
+ * Weights are packed once at load into panels of NR output columns ([K][NR], zero-padded past N),
+ * all experts stacked: gate/up as 2 * ceil(I / NR) interleaved panels per expert (gate panel p,
+ * then the up panel p) over K = H, down as ceil(H / NR) panels over K = I.
+ *
+ * Register tile: MR rows x NR = 3 vectors. AVX-512: 8 x 48 (24 of 32 zmm registers); otherwise
+ * (AVX2: 16 ymm registers) 4 x 24, 12 accumulators + 3 weight vectors + 1 broadcast, which the
+ * shared 8 x 48 panel GEMM (gemm.c) spills on such CPUs. Threads split (expert, panel) items.
+ *
+ * Every output element is one multiply-add chain over k = 0 .. K-1 in order whatever the tile a
+ * row lands in and whichever tokens share its expert, and silu * mul is elementwise, so a pair's
+ * result depends only on its token and expert (batch-invariant for every batch size).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#define MR 8
+#else
+#define VW 8
+#define MR 4
+#endif
+#define NR (3 * VW)
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+static inline vf ldv(const float *p) { return *(const vfu *)p; }
+static inline void stv(float *p, vf x) { *(vfu *)p = x; }
+/* (not (vf){0} + x where the intrinsic exists: that adds 0.0 to every broadcast scalar first) */
+#if defined(__AVX512F__)
+static inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
+#elif defined(__AVX__)
+static inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+#else
+static inline vf splat(float x) { return (vf){0} + x; }
+#endif
+
+/* exp(x), x clamped to [-87, 88]: 2^n * p(f), n = round(x / ln 2), f in [-0.35, 0.35], p the
+ * degree-7 Taylor polynomial (the same scheme as vec16.h's exp16, at this file's vector width). */
+static inline vf expv(vf x) {
+    const vf lo = splat(-87.0f), hi = splat(88.0f);
+    vi m = x < lo;
+    x = (vf)(((vi)lo & m) | ((vi)x & ~m));
+    m = x > hi;
+    x = (vf)(((vi)hi & m) | ((vi)x & ~m));
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf t = x * 1.44269504088896341f + magic;
+    vf n = t - magic;
+    vf f = x - n * 0.693145751953125f;
+    f = f - n * 1.4286068202862268e-06f;
+    vf p = splat(1.f / 5040.f);
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    vi e = __builtin_convertvector(n, vi) << 23;
+    return (vf)((vi)p + e);
+}
+
+static inline vf silu(vf g) { return g / (1.f + expv(-g)); }
+
+/* acc[r][c] = rows[r] . panel columns (all k, in order) */
+static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *const *rows,
+                                                             const float *w, int64_t K, vf acc[MR][3]) {
+    for (int r = 0; r < mr; ++r)
+        for (int c = 0; c < 3; ++c) acc[r][c] = splat(0.f);
+    for (int64_t k = 0; k < K; ++k) {
+        const float *wk = w + k * NR;
+        const vf w0 = ldv(wk), w1 = ldv(wk + VW), w2 = ldv(wk + 2 * VW);
+        for (int r = 0; r < mr; ++r) {
+            const vf xb = splat(rows[r][k]);
+            acc[r][0] += xb * w0;
+            acc[r][1] += xb * w1;
+            acc[r][2] += xb * w2;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void store_row(float *y, vf a[3], int64_t ncols) {
+    if (ncols == NR) {
+        for (int c = 0; c < 3; ++c) stv(y + VW * c, a[c]);
+    } else {
+        float tmp[NR];
+        for (int c = 0; c < 3; ++c) stv(tmp + VW * c, a[c]);
+        memcpy(y, tmp, sizeof(float) * (size_t)ncols);
+    }
+}
+
+/* gate/up panel pair p of one expert for mr rows: h rows get silu(gate) * up */
+static inline __attribute__((always_inline)) void gated_tile(const int mr, const float *const *rows,
+                                                             const float *wg, const float *wu, int64_t K,
+                                                             float *h, int64_t ldh, int64_t ncols) {
+    vf g[MR][3], u[MR][3];
+    panel_tile(mr, rows, wg, K, g);
+    panel_tile(mr, rows, wu, K, u);
+    for (int r = 0; r < mr; ++r) {
+        for (int c = 0; c < 3; ++c) g[r][c] = silu(g[r][c]) * u[r][c];
+        store_row(h + r * ldh, g[r], ncols);
+    }
+}
+
+static inline __attribute__((always_inline)) void down_tile(const int mr, const float *const *rows,
+                                                            const float *w, int64_t K, float *const *out,
+                                                            int64_t ncols) {
+    vf a[MR][3];
+    panel_tile(mr, rows, w, K, a);
+    for (int r = 0; r < mr; ++r) store_row(out[r], a[r], ncols);
+}
+
+int di_moe_nr(void) { return NR; }
+
+/* x: [T, H] rows ldx apart; idx: [T, k] expert ids in [0, E); gu: [E][2 * ceil(I/NR)][H][NR];
+ * down: [E][ceil(H/NR)][I][NR]; h: scratch [T * k, I]; y: [T * k, H] rows ldy apart.
+ * Returns 0, or -1 for an expert id out of range (nothing written), -2 when out of memory. */
+int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *idx, int64_t E,
+                       const float *gu, const float *down, int64_t H, int64_t I, float *h, float *y, int64_t ldy) {
+    const int64_t R = T * k;
+    if (R == 0) return 0;
+    for (int64_t i = 0; i < R; ++i)
+        if (idx[i] < 0 || idx[i] >= E) return -1;
+    int64_t *count = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *pair = malloc(sizeof(int64_t) * (size_t)R);       /* sorted position -> (t * k + j) */
+    int64_t *group_start = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    int64_t *group_expert = malloc(sizeof(int64_t) * (size_t)E);
+    if (!count || !pair || !group_start || !group_expert) {
+        free(count); free(pair); free(group_start); free(group_expert);
+        return -2;
+    }
+    /* stable counting sort: within an expert, pairs keep their (token, slot) order */
+    for (int64_t i = 0; i < R; ++i) ++count[idx[i] + 1];
+    int64_t G = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        if (count[e + 1]) {
+            group_expert[G] = e;
+            group_start[G++] = count[e];
+        }
+        count[e + 1] += count[e];
+    }
+    group_start[G] = R;
+    for (int64_t i = 0; i < R; ++i) pair[count[idx[i]]++] = i;
+
+    const int64_t Pi = (I + NR - 1) / NR, Ph = (H + NR - 1) / NR;
+    const int64_t gu_stride = 2 * Pi * H * NR, down_stride = Ph * I * NR;
+#pragma omp parallel if (R * H * I >= 65536)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < G * Pi; ++item) {
+            const int64_t g = item / Pi, p = item % Pi;
+            const float *wg = gu + group_expert[g] * gu_stride + 2 * p * H * NR;
+            const float *wu = wg + H * NR;
+            const int64_t ncols = I - p * NR < NR ? I - p * NR : NR;
+            for (int64_t r0 = group_start[g]; r0 < group_start[g + 1]; r0 += MR) {
+                const int64_t left = group_start[g + 1] - r0;
+                const int mr = left < MR ? (int)left : MR;
+                const float *rows[MR];
+                for (int r = 0; r < mr; ++r) rows[r] = x + (pair[r0 + r] / k) * ldx;
+                float *hr = h + r0 * I + p * NR;
+                switch (mr) {
+#if MR == 8
+                case 8: gated_tile(8, rows, wg, wu, H, hr, I, ncols); break;
+                case 7: gated_tile(7, rows, wg, wu, H, hr, I, ncols); break;
+                case 6: gated_tile(6, rows, wg, wu, H, hr, I, ncols); break;
+                case 5: gated_tile(5, rows, wg, wu, H, hr, I, ncols); break;
+#endif
+                case 4: gated_tile(4, rows, wg, wu, H, hr, I, ncols); break;
+                case 3: gated_tile(3, rows, wg, wu, H, hr, I, ncols); break;
+                case 2: gated_tile(2, rows, wg, wu, H, hr, I, ncols); break;
+                default: gated_tile(1, rows, wg, wu, H, hr, I, ncols); break;
+                }
+            }
+        }
+        /* (the implicit barrier of the loop above: every h row is complete here) */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < G * Ph; ++item) {
+            const int64_t g = item / Ph, p = item % Ph;
+            const float *w = down + group_expert[g] * down_stride + p * I * NR;
+            const int64_t ncols = H - p * NR < NR ? H - p * NR : NR;
+            for (int64_t r0 = group_start[g]; r0 < group_start[g + 1]; r0 += MR) {
+                const int64_t left = group_start[g + 1] - r0;
+                const int mr = left < MR ? (int)left : MR;
+                const float *rows[MR];
+                float *out[MR];
+                for (int r = 0; r < mr; ++r) {
+                    rows[r] = h + (r0 + r) * I;
+                    out[r] = y + pair[r0 + r] * ldy + p * NR;
+                }
+                switch (mr) {
+#if MR == 8
+                case 8: down_tile(8, rows, w, I, out, ncols); break;
+                case 7: down_tile(7, rows, w, I, out, ncols); break;
+                case 6: down_tile(6, rows, w, I, out, ncols); break;
+                case 5: down_tile(5, rows, w, I, out, ncols); break;
+#endif
+                case 4: down_tile(4, rows, w, I, out, ncols); break;
+                case 3: down_tile(3, rows, w, I, out, ncols); break;
+                case 2: down_tile(2, rows, w, I, out, ncols); break;
+                default: down_tile(1, rows, w, I, out, ncols); break;
+                }
+            }
+        }
+    }
+    free(count); free(pair); free(group_start); free(group_expert);
+    return 0;
+}

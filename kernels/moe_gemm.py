@@ -1,0 +1,125 @@
+"""The routed experts of an MoE layer as one native grouped GEMM pair on CPU (csrc/moe_gemm.c, built
+with the other native kernels by `native.load`).
+
+`pack_experts` lays the stacked expert weights out once (panels of `panel_width()` columns);
+`moe_experts(x, idx, packed)` returns [T, k, H]: row (t, j) is expert idx[t, j]'s gated MLP on
+x[t], computed in one call (a counting sort by expert, every active expert's gate/up GEMM with silu
+* mul in registers, then its down GEMM written to the pair's row). `moe_experts_reference` is the
+torch definition. Each output element is one multiply-add chain over k in order, so a pair's result
+does not depend on which other tokens share its expert (batch-invariant).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .errors import KernelInputError
+
+_configured = False
+
+
+def _lib():
+    global _configured
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if not _configured:
+        i64, fp = ctypes.c_int64, ctypes.c_void_p
+        lib.di_moe_experts_f32.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, i64, fp, fp, i64]
+        lib.di_moe_experts_f32.restype = ctypes.c_int
+        lib.di_moe_nr.restype = ctypes.c_int
+        _configured = True
+    return lib
+
+
+def available() -> bool:
+    return native.available()
+
+
+def panel_width() -> int:
+    """Output columns per packed panel (48 with AVX-512, 24 otherwise: the register tile's width)."""
+    return int(_lib().di_moe_nr())
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """E experts' weights in panels: gate_up [E, 2P_I, H, NR] (gate and up panels interleaved),
+    down [E, P_H, I, NR]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    num_experts: int
+    hidden: int
+    inter: int
+
+
+def _panels(w: torch.Tensor, nr: int) -> torch.Tensor:
+    """[E, N, K] -> [E, ceil(N / nr), K, nr], zero-padded past N."""
+    e, n, k = w.shape
+    p = -(-n // nr)
+    if p * nr != n:
+        w = torch.cat([w, w.new_zeros(e, p * nr - n, k)], 1)
+    return w.reshape(e, p, nr, k).transpose(2, 3).contiguous()
+
+
+def _check_stack(name: str, w: torch.Tensor) -> None:
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 3:
+        raise KernelInputError(f"pack_experts: {name} must be a float32 CPU tensor [E, N, K], got "
+                               f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+
+
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
+    """gate_up [E, 2I, H] (each expert's [gate; up]), down [E, H, I] -> PackedExperts (a copy)."""
+    _check_stack("gate_up", gate_up)
+    _check_stack("down", down)
+    e, i2, h = gate_up.shape
+    if i2 % 2 or tuple(down.shape) != (e, h, i2 // 2) or e == 0 or h == 0 or i2 == 0:
+        raise KernelInputError(f"pack_experts: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not "
+                               "[E, 2I, H] and [E, H, I]")
+    nr = panel_width()
+    i = i2 // 2
+    g, u = _panels(gate_up[:, :i], nr), _panels(gate_up[:, i:], nr)
+    gu = torch.stack([g, u], 2).flatten(1, 2).contiguous()  # [E, 2P, H, nr]: gate p, up p, ...
+    return PackedExperts(gu, _panels(down, nr), e, h, i)
+
+
+def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
+    """[T, k, H]: out[t, j] = down_e(silu(gate_e x[t]) * up_e x[t]) for e = idx[t, j]."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.shape[1] != packed.hidden:
+        raise KernelInputError(f"moe_experts: x must be float32 CPU [T, {packed.hidden}], got "
+                               f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != x.shape[0] or idx.device.type != "cpu" \
+            or idx.dtype not in (torch.int64, torch.int32):
+        raise KernelInputError(f"moe_experts: idx must be an integer CPU tensor [{x.shape[0]}, k], got "
+                               f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}")
+    if x.stride(1) != 1 or x.stride(0) < packed.hidden:
+        x = x.contiguous()
+    idx = idx.to(torch.int64).contiguous()
+    t, k = idx.shape
+    y = torch.empty(t, k, packed.hidden, dtype=torch.float32)
+    if t * k == 0:
+        return y
+    h = torch.empty(t * k, packed.inter, dtype=torch.float32)
+    rc = _lib().di_moe_experts_f32(x.data_ptr(), x.stride(0), t, k, idx.data_ptr(), packed.num_experts,
+                                   packed.gate_up.data_ptr(), packed.down.data_ptr(), packed.hidden, packed.inter,
+                                   h.data_ptr(), y.data_ptr(), packed.hidden)
+    if rc == -1:
+        bad = idx[(idx < 0) | (idx >= packed.num_experts)]
+        raise KernelInputError(f"moe_experts: expert id {int(bad[0])} out of range [0, {packed.num_experts})")
+    if rc != 0:
+        raise MemoryError(f"moe_experts: the native kernel could not allocate its sort buffers (code {rc})")
+    return y
+
+
+def moe_experts_reference(x: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The torch definition: [T, k, H] from stacked gate_up [E, 2I, H] and down [E, H, I]."""
+    i = down.shape[2]
+    gu = torch.einsum("th,tkoh->tko", x, gate_up[idx])
+    act = F.silu(gu[..., :i]) * gu[..., i:]
+    return torch.einsum("tki,tkhi->tkh", act, down[idx])

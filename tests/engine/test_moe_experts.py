@@ -1,0 +1,98 @@
+"""The MoE block's expert paths: the native grouped GEMM the runner installs on CPU fp32 against the
+per-expert GEMM path, its place in the runner (experts not packed twice), and a block holding a
+subset of the experts (`local_experts`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import Engine, SamplingParams
+from deepinfer.engine.attention import ForwardContext
+from deepinfer.engine.models.moe import MoeBlock
+from deepinfer.engine.moe_config import MoeConfigError
+from deepinfer_kernels import moe_gemm
+from moe_factory import make_moe_model
+
+pytest.importorskip("transformers")
+needs_native = pytest.mark.skipif(not moe_gemm.available(), reason="no C compiler: native kernels not built")
+
+
+@pytest.fixture(scope="module")
+def v3_path(tmp_path_factory):
+    return make_moe_model(tmp_path_factory.mktemp("moe_experts") / "v3", "deepseek_v3", seed=3)
+
+
+def _blocks(eng: Engine) -> list[MoeBlock]:
+    return [m for m in eng.runner.model.modules() if isinstance(m, MoeBlock)]
+
+
+def _ctx(eng: Engine) -> ForwardContext:
+    lin = eng.runner.linear
+    return ForwardContext(slot_mapping=torch.empty(0, dtype=torch.long), linear=lin, silu_mul=getattr(lin, "silu_mul", None))
+
+
+@needs_native
+def test_runner_installs_the_native_experts_and_packs_them_once(v3_path):
+    eng = Engine(str(v3_path), kv_cache_memory=1 << 20)
+    blocks = _blocks(eng)
+    assert blocks and eng.runner.expert_kernel_blocks == len(blocks)
+    assert all(b.expert_kernel is not None for b in blocks)
+    packed = set(getattr(eng.runner.linear, "packed", {})) | set(getattr(eng.runner.linear, "packed_gated", {}))
+    experts = {w.data_ptr() for b in blocks for w in list(b.expert_gate_up) + list(b.expert_down)}
+    assert packed and not packed & experts, "expert weights were also packed for the linear"
+    # kernels="torch" keeps the per-expert GEMMs
+    assert Engine(str(v3_path), kv_cache_memory=1 << 20, kernels="torch").runner.expert_kernel_blocks == 0
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 3, 17, 64])
+def test_native_experts_match_the_per_expert_path(v3_path, tokens):
+    eng = Engine(str(v3_path), kv_cache_memory=1 << 20)
+    block = _blocks(eng)[0]
+    meta = _ctx(eng)
+    x = torch.randn(tokens, block.hidden, generator=torch.Generator().manual_seed(tokens))
+    w, idx = block.route(x, meta)
+    native = block.grouped_experts(x, idx, meta)
+    kernel = block.expert_kernel
+    block.set_expert_kernel(None)
+    try:
+        per_expert = block.grouped_experts(x, idx, meta)
+    finally:
+        block.set_expert_kernel(kernel)
+    torch.testing.assert_close(native, per_expert, atol=2e-5, rtol=1e-4)
+
+
+def test_greedy_tokens_agree_with_the_torch_kernels(v3_path):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["the quick brown fox", "hello world", "a b c d e f"]
+    ours = Engine(str(v3_path), kv_cache_memory=2 << 20).generate(prompts, sp)
+    ref = Engine(str(v3_path), kv_cache_memory=2 << 20, kernels="torch").generate(prompts, sp)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_block_holding_a_subset_of_experts(v3_path, native):
+    if native and not moe_gemm.available():
+        pytest.skip("no C compiler: native kernels not built")
+    eng = Engine(str(v3_path), kv_cache_memory=1 << 20, kernels="torch")
+    full = _blocks(eng)[0]
+    local = [5, 1, 6]
+    sub = MoeBlock(full.hidden, full.moe, local_experts=local)
+    for i, e in enumerate(local):
+        sub.expert_gate_up[i].data = full.expert_gate_up[e].data
+        sub.expert_down[i].data = full.expert_down[e].data
+    if native:
+        from deepinfer.engine.expert_kernels import install_native_experts
+
+        assert install_native_experts(sub) == 1
+    meta = _ctx(eng)
+    x = torch.randn(7, full.hidden, generator=torch.Generator().manual_seed(0))
+    idx = torch.tensor([[5, 1], [6, 5], [1, 6], [6, 1], [5, 6], [1, 5], [6, 5]])  # global ids
+    torch.testing.assert_close(sub.grouped_experts(x, idx, meta), full.grouped_experts(x, idx, meta), atol=2e-5, rtol=1e-4)
+    with pytest.raises(MoeConfigError, match=r"routed to experts \[0, 7\], which this block does not hold"):
+        sub.grouped_experts(x[:2], torch.tensor([[5, 0], [7, 1]]), meta)
+    with pytest.raises(MoeConfigError, match="local_experts must be distinct expert ids"):
+        MoeBlock(full.hidden, full.moe, local_experts=[1, 1])
+    with pytest.raises(MoeConfigError, match="local_experts must be distinct expert ids"):
+        MoeBlock(full.hidden, full.moe, local_experts=[full.moe.num_experts])

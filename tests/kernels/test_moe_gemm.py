@@ -1,0 +1,103 @@
+"""deepinfer_kernels.moe_gemm: the native grouped expert GEMM against its torch definition, its batch
+invariance (bitwise: a pair's row never depends on which tokens share its expert), and input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_kernels import KernelInputError, moe_gemm
+
+if not moe_gemm.available():
+    pytest.skip("no C compiler here: the native kernels are not built", allow_module_level=True)
+
+
+def _experts(E, H, I, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+
+
+def _routing(T, E, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
+
+
+# sizes off the panel width (24 / 48) and the row tile (4 / 8), an expert with one row, all rows on one expert
+@pytest.mark.parametrize("E,H,I,T,k", [(8, 200, 70, 13, 3), (4, 48, 24, 1, 2), (6, 97, 131, 40, 2),
+                                       (32, 256, 64, 33, 4), (3, 64, 32, 9, 1)])
+def test_matches_reference(E, H, I, T, k):
+    gu, down = _experts(E, H, I, seed=E + T)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    idx = _routing(T, E, k, seed=k)
+    out = moe_gemm.moe_experts(x, idx, moe_gemm.pack_experts(gu, down))
+    ref = moe_gemm.moe_experts_reference(x, idx, gu, down)
+    assert out.shape == (T, k, H)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_silu_range_extremes_match_reference():
+    # pre-activations far beyond exp's range: silu must saturate to 0 / identity, never inf or nan
+    E, H, I = 2, 32, 24
+    gu, down = _experts(E, H, I, seed=3)
+    gu[:, :I] *= 400
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(4))
+    idx = torch.tensor([[0, 1]] * 5)
+    out = moe_gemm.moe_experts(x, idx, moe_gemm.pack_experts(gu, down))
+    ref = moe_gemm.moe_experts_reference(x, idx, gu, down)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)
+
+
+def test_a_pairs_row_does_not_depend_on_the_batch():
+    E, H, I, k = 8, 160, 88, 2
+    gu, down = _experts(E, H, I, seed=5)
+    packed = moe_gemm.pack_experts(gu, down)
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(6))
+    idx = _routing(37, E, k, seed=7)
+    full = moe_gemm.moe_experts(x, idx, packed)
+    for t in (0, 5, 36):  # alone, and in a batch where every token shares one of its experts
+        alone = moe_gemm.moe_experts(x[t : t + 1], idx[t : t + 1], packed)
+        assert torch.equal(alone[0], full[t])
+        crowd = idx[t : t + 1].expand(20, k).contiguous()
+        xs = torch.cat([x[t : t + 1], torch.randn(19, H)])
+        assert torch.equal(moe_gemm.moe_experts(xs, crowd, packed)[0], full[t])
+
+
+def test_a_strided_input_and_int32_ids_give_the_same_bits():
+    E, H, I = 4, 64, 40
+    gu, down = _experts(E, H, I, seed=8)
+    packed = moe_gemm.pack_experts(gu, down)
+    wide = torch.randn(6, H + 16)
+    x = wide[:, :H]  # rows H + 16 apart
+    idx = _routing(6, E, 2, seed=9)
+    a = moe_gemm.moe_experts(x, idx, packed)
+    b = moe_gemm.moe_experts(x.contiguous(), idx.int(), packed)
+    assert torch.equal(a, b)
+
+
+def test_empty_batch():
+    gu, down = _experts(2, 32, 24)
+    out = moe_gemm.moe_experts(torch.empty(0, 32), torch.empty(0, 2, dtype=torch.long), moe_gemm.pack_experts(gu, down))
+    assert out.shape == (0, 2, 32)
+
+
+def test_bad_inputs_are_named():
+    gu, down = _experts(4, 32, 24)
+    packed = moe_gemm.pack_experts(gu, down)
+    x = torch.randn(3, 32)
+    with pytest.raises(KernelInputError, match="expert id 4 out of range"):
+        moe_gemm.moe_experts(x, torch.tensor([[0, 1], [2, 4], [1, 3]]), packed)
+    with pytest.raises(KernelInputError, match="expert id -1"):
+        moe_gemm.moe_experts(x, torch.tensor([[0, 1], [2, -1], [1, 3]]), packed)
+    with pytest.raises(KernelInputError, match=r"x must be float32 CPU \[T, 32\]"):
+        moe_gemm.moe_experts(torch.randn(3, 31), torch.zeros(3, 2, dtype=torch.long), packed)
+    with pytest.raises(KernelInputError, match="x must be float32"):
+        moe_gemm.moe_experts(x.double(), torch.zeros(3, 2, dtype=torch.long), packed)
+    with pytest.raises(KernelInputError, match=r"idx must be an integer CPU tensor \[3, k\]"):
+        moe_gemm.moe_experts(x, torch.zeros(2, 2, dtype=torch.long), packed)
+    with pytest.raises(KernelInputError, match="idx must be"):
+        moe_gemm.moe_experts(x, torch.zeros(3, 2), packed)
+    with pytest.raises(KernelInputError, match=r"are not \[E, 2I, H\] and \[E, H, I\]"):
+        moe_gemm.pack_experts(gu, down[:, :, :20])
+    with pytest.raises(KernelInputError, match="gate_up must be a float32 CPU tensor"):
+        moe_gemm.pack_experts(gu[0], down)
