@@ -51,6 +51,17 @@ class MoeBlock(nn.Module):
             self.shared = GatedMLP(SimpleNamespace(hidden_size=hidden_size, intermediate_size=moe.shared_intermediate_size))
         self.shared_gate_weight = (
             nn.Parameter(torch.empty(1, hidden_size), requires_grad=False) if moe.shared_expert_gate else None)
+        # expert parallelism (deepinfer/distributed): the global ids of the experts this block holds
+        # (expert_gate_up[i] is expert expert_ids[i]), and the object that runs the expert step
+        # across processes; None runs grouped_experts here over every expert
+        self.expert_ids = range(E)
+        self.dispatcher = None
+
+    def hold_experts(self, expert_ids: range) -> None:
+        """Keep only the experts expert_ids (before load: the others are never loaded or packed)."""
+        self.expert_ids = expert_ids
+        self.expert_gate_up = nn.ParameterList(self.expert_gate_up[e] for e in expert_ids)
+        self.expert_down = nn.ParameterList(self.expert_down[e] for e in expert_ids)
 
     # ---- routing --------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +117,10 @@ class MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         w, idx = self.route(x, meta)
-        per_slot = self.grouped_experts(x, idx, meta)
+        if self.dispatcher is not None:  # [T, k, H] computed where the experts live
+            per_slot = self.dispatcher(self, x, idx, meta)
+        else:
+            per_slot = self.grouped_experts(x, idx, meta)
         w = w.to(x.dtype)
         out = per_slot[:, 0] * w[:, :1]
         for j in range(1, idx.shape[1]):  # a fixed (slot) order: the same sum whatever the batch
@@ -137,11 +151,11 @@ class MoeBlock(nn.Module):
         if self.score_bias is not None:
             n = prefix + "gate.e_score_correction_bias"
             put(self.score_bias, take(n), n, dtype=torch.float32)
-        for e in range(self.moe.num_experts):
+        for i, e in enumerate(self.expert_ids):
             p = f"{prefix}experts.{e}."
             gu = torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")], 0)
-            put(self.expert_gate_up[e], gu, p + "gate_up_proj.weight")
-            put(self.expert_down[e], take(p + "down_proj.weight"), p + "down_proj.weight")
+            put(self.expert_gate_up[i], gu, p + "gate_up_proj.weight")
+            put(self.expert_down[i], take(p + "down_proj.weight"), p + "down_proj.weight")
         if self.shared is not None:
             self.shared.load(f"{prefix}{self.shared_name}.", take, put)
         if self.shared_gate_weight is not None:
