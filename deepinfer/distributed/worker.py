@@ -99,5 +99,6 @@ def worker_main(rank: int, world: int, rendezvous: str, config, model_source: st
     finally:
         if clean:
             shutdown()
-        else:  # the group may be broken: tearing it down could wait on a dead peer
-            os._exit(1)
+        # skip the interpreter's teardown (1-2 s of torch finalisers here); after a failure the
+        # group may be broken and tearing it down could wait on a dead peer
+        os._exit(0 if clean else 1)

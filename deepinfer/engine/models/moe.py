@@ -29,6 +29,24 @@ from deepinfer.engine.attention import ForwardContext
 from deepinfer.engine.moe_config import MoeConfig
 
 
+def _sigmoid_rows(z: torch.Tensor, width: int = 64, rows: int = 256) -> torch.Tensor:
+    """torch.sigmoid whose bits for a row do not depend on the row's place in the batch.
+
+    torch's elementwise CPU loop runs 2 vectors at a time and the flat tensor's last < 2 vectors
+    through a scalar path with other rounding, so plain sigmoid([T, E]) gave the last row of a
+    9-row batch other bits than the same row inside an 18-row batch (found by the expert-parallel
+    bitwise test, where ranks route halves of the batch). Rows padded to a multiple of 64 floats
+    (2 vectors of AVX-512 or 4 of AVX2), in blocks of 256 rows (16K floats: under torch's
+    parallel grain, so one thread runs each block from its start), never reach that tail."""
+    T, E = z.shape
+    out = torch.empty_like(z)
+    for s in range(0, T, rows):
+        blk = z.new_zeros(min(rows, T - s), -(-E // width) * width)
+        blk[:, :E] = z[s : s + rows]
+        out[s : s + rows] = torch.sigmoid(blk)[:, :E]
+    return out
+
+
 class MoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig, shared_name: str = "shared_expert"):
         super().__init__()
@@ -71,7 +89,7 @@ class MoeBlock(nn.Module):
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
-        scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else logits.float().sigmoid()
+        scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else _sigmoid_rows(logits.float())
         choice = scores + self.score_bias if self.score_bias is not None else scores
         if m.n_group > 1:
             T = choice.shape[0]
