@@ -52,6 +52,8 @@ class CommStats:
     expert_s: float = 0.0  # the local expert GEMMs
     moe_s: float = 0.0  # whole MoE layers (routing, shared expert, dispatch, experts, combine, gather)
     forward_s: float = 0.0  # whole forward passes on this rank
+    remote_token_ranks: int = 0  # normal mode: (token, other rank) pairs this rank's routing sent
+    remote_slots: int = 0  # (token, slot) pairs whose expert lives on another rank
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -134,6 +136,8 @@ class NormalDispatcher(_Dispatcher):
         st.moe_layers += 1
         st.tokens += T
         st.count_bytes += (N - 1) * send_counts.element_size()
+        st.remote_token_ranks += int(hit.sum()) - sc[r]
+        st.remote_slots += int((dest != r).sum())
         st.dispatch_bytes += (sum(sc) - sc[r]) * payload.shape[1] * es
         st.combine_bytes += (sum(back_splits) - back_splits[r]) * H * es
         st.dispatch_s += t1 - t0
