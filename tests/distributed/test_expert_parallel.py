@@ -78,22 +78,39 @@ def _runs(eng: Engine) -> list[list]:
             [[(t.token_id, t.logprob) for t in o.prompt_logprobs[1:]] for o in outs if o.prompt_logprobs]]
 
 
+def _fork_run(eng: Engine) -> list[list[int]]:
+    """A decoding request forked into two children (KV copied on every rank: copy_kv_tokens)."""
+    rid = eng.add_request("a prompt no other request shares, forked while decoding into two children",
+                          SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    kids = eng.fork(rid, 2, SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True, logprobs=1))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    return [outs[rid].token_ids] + [[(t.token_id, t.logprob) for t in outs[k].logprobs] for k in kids]
+
+
 def _close_logprobs(a, b, tol):
     for sa, sb in zip(a, b):
         for (ta, la, *_), (tb, lb, *_) in zip(sa, sb):
             assert ta == tb and abs(la - lb) <= tol
 
 
-def _default_mode_equal(path: str) -> list[int]:
+def _default_mode_equal(path: str, **extra) -> list[int]:
     """Default mode: greedy and seeded tokens identical; logprobs within 1e-5 (bitwise on this CPU,
     whose GEMMs give a row the same bits whatever M, but that is promised only with
     batch_invariant=True). The engine runs in a `with` block: its workers are gone after it."""
-    ref = _runs(Engine(path, **KW))
-    with Engine(path, expert_parallel_size=2, **KW) as eng:
+    one = Engine(path, **KW)
+    ref, ref_fork = _runs(one), _fork_run(one)
+    with Engine(path, expert_parallel_size=2, **KW, **extra) as eng:
         pids = list(eng.runner.pids)
         assert all(psutil.pid_exists(p) for p in pids)
         got = _runs(eng)
         stats = eng.runner.comm_stats()
+        fork = _fork_run(eng)
+        assert fork[0] == ref_fork[0]
+        _close_logprobs(fork[1:], ref_fork[1:], 1e-5)
     assert got[0] == ref[0]
     _close_logprobs(got[1], ref[1], 1e-5)
     _close_logprobs(got[2], ref[2], 1e-5)
@@ -111,8 +128,9 @@ def test_ep2_tokens_equal_ep1_qwen3(models, engines):
 
 
 @pytest.mark.slow  # deepseek_v3 at EP=2 runs in CI in batch-invariant mode (below)
-def test_ep2_tokens_equal_ep1_deepseek(models, engines):
-    pids = _default_mode_equal(str(models["deepseek_v3"]))
+def test_ep2_tokens_equal_ep1_deepseek_overlapped(models, engines):
+    """Also with overlap_schedule: the forward (and its pipe round trip) runs in the forward thread."""
+    pids = _default_mode_equal(str(models["deepseek_v3"]), overlap_schedule=True)
     assert _gone(pids)
 
 
