@@ -145,3 +145,17 @@ def test_init_reads_torchrun_env(monkeypatch):
     finally:
         shutdown()
     assert not dist.is_initialized()
+
+
+def test_routing_sigmoid_is_row_invariant():
+    """DeepSeek's sigmoid scores: a row's bits do not depend on its place in the batch (plain
+    torch.sigmoid's scalar tail broke this; EP ranks route parts of a batch)."""
+    from deepinfer.engine.models.moe import _sigmoid_rows
+
+    torch.manual_seed(0)
+    for E in (8, 64, 256):
+        x = torch.randn(600, E)
+        full = _sigmoid_rows(x)
+        torch.testing.assert_close(full, torch.sigmoid(x), rtol=0, atol=1e-6)
+        for lo, n in ((0, 9), (9, 9), (17, 1), (250, 300), (599, 1), (3, 597)):
+            assert torch.equal(_sigmoid_rows(x[lo : lo + n]), full[lo : lo + n]), (E, lo, n)

@@ -36,8 +36,8 @@ def _sigmoid_rows(z: torch.Tensor, width: int = 64, rows: int = 256) -> torch.Te
     through a scalar path with other rounding, so plain sigmoid([T, E]) gave the last row of a
     9-row batch other bits than the same row inside an 18-row batch (found by the expert-parallel
     bitwise test, where ranks route halves of the batch). Rows padded to a multiple of 64 floats
-    (2 vectors of AVX-512 or 4 of AVX2), in blocks of 256 rows (16K floats: under torch's
-    parallel grain, so one thread runs each block from its start), never reach that tail."""
+    (whole 2-vector steps on AVX2 (16 floats) and AVX-512 (32)), in blocks of 256 rows (16K floats:
+    under torch's parallel grain, so one thread runs each block from its start), never reach it."""
     T, E = z.shape
     out = torch.empty_like(z)
     for s in range(0, T, rows):
