@@ -36,3 +36,17 @@ class OutOfBlocksError(DeepInferError):
 
 class ProgramError(DeepInferError):
     """An error raised inside a user's @deepinfer.function program, captured in its state."""
+
+
+class ExpertParallelConfigError(InvalidRequestError):
+    """Expert parallelism cannot be set up as asked (experts do not divide evenly over the ranks, an
+    unsupported option combination, a process group that cannot be formed)."""
+
+
+class DistributedWorkerError(DeepInferError):
+    """A worker process of an expert-parallel engine died, hung past the collective timeout or raised;
+    `rank` names it. The engine ends: its unfinished requests finish with reason "error"."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank

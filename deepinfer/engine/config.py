@@ -68,6 +68,11 @@ class EngineConfig:
     cpu_prepack: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
     cache_dir: str | None = None  # where converted models are cached
+    # expert parallelism (deepinfer/distributed): N worker processes hold the weights, each only
+    # n_routed_experts / N of every MoE layer's experts; attention is replicated on every worker
+    expert_parallel_size: int = 1
+    expert_parallel_dispatch: str = "normal"  # "normal" (count exchange, uneven all-to-all) | "low_latency"
+    expert_parallel_timeout: float = 60.0  # seconds a collective (or a worker's step) may wait on a peer
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -111,6 +116,14 @@ class EngineConfig:
             raise bad("cuda_graphs needs a CUDA device (device='cuda' or 'auto' on a GPU machine)")
         if self.cuda_graphs and self.batch_invariant:
             raise bad("cuda_graphs and batch_invariant cannot be combined (the invariant attention is not capturable)")
+        if isinstance(self.expert_parallel_size, bool) or not isinstance(self.expert_parallel_size, int) \
+                or self.expert_parallel_size < 1:
+            raise bad(f"expert_parallel_size must be an int >= 1, got {self.expert_parallel_size!r}")
+        if self.expert_parallel_dispatch not in ("normal", "low_latency"):
+            raise bad(f"expert_parallel_dispatch must be 'normal' or 'low_latency', got {self.expert_parallel_dispatch!r}")
+        if not (isinstance(self.expert_parallel_timeout, (int, float)) and not isinstance(self.expert_parallel_timeout, bool)
+                and self.expert_parallel_timeout > 0):
+            raise bad(f"expert_parallel_timeout must be a number of seconds > 0, got {self.expert_parallel_timeout!r}")
         if self.grammar_backend not in ("xgrammar", "llguidance", "outlines"):
             raise bad(f"grammar_backend must be 'xgrammar', 'llguidance' or 'outlines', got {self.grammar_backend!r}")
 

@@ -37,7 +37,7 @@ from deepinfer.engine.speculation import ForwardCost, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step, plan_step
 from deepinfer.engine.structured_output import StructuredOutputs
-from deepinfer.errors import InvalidRequestError, PromptTooLongError
+from deepinfer.errors import DistributedWorkerError, InvalidRequestError, PromptTooLongError
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
 MAX_FORCED_DRAFT = 32  # most forced tokens verified in one step (a forced string can be a long JSON key)
@@ -117,8 +117,13 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
-                                  quantized=loaded.quantized, quant_mode=quant_mode)
+        if cfg.expert_parallel_size > 1:  # worker processes hold the weights (deepinfer/distributed)
+            from deepinfer.distributed.ep_runner import EpRunner
+
+            self.runner = EpRunner(cfg, self.model_config, loaded.source, self.device, self.dtype)
+        else:
+            self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
+                                      quantized=loaded.quantized, quant_mode=quant_mode)
         del loaded
         self.allocator = BlockAllocator(self.runner.num_blocks, cfg.block_size)
         radix = None
@@ -151,6 +156,7 @@ class Engine:
         self._next = None  # the step planned while it runs
         self._deferred: list[Sequence] = []  # finished while in flight: release after the forward
         self._step_ids = itertools.count()
+        self._failure: DistributedWorkerError | None = None  # a failed expert-parallel worker ended the engine
         self._executor = None
         self._stream_forward = None
         if cfg.overlap_schedule and self.device.type == "cuda" and self._mtp is None:
@@ -205,6 +211,8 @@ class Engine:
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Validate, tokenise and queue one request; returns its id. Raises a typed error for bad input."""
+        if self._failure is not None:
+            raise self._failure
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -330,7 +338,48 @@ class Engine:
 
         With overlap_schedule (see EngineConfig) the forward pass of step N+1 runs in a worker while
         this call post-processes step N and schedules step N+2; outputs are the same either way.
+        A failed expert-parallel worker ends the engine: every unfinished request comes back with
+        finish_reason "error" naming the rank; later calls raise that DistributedWorkerError.
         """
+        if self._failure is not None:
+            raise self._failure
+        try:
+            return self._step()
+        except DistributedWorkerError as e:
+            return self._fail_all(e)
+
+    def _fail_all(self, err: DistributedWorkerError) -> list[RequestOutput]:
+        self._failure = err
+        self._inflight = self._next = None
+        self._deferred = []
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        for seq in list(self._seqs.values()):  # (compiling ones included)
+            if not seq.is_finished:
+                seq.error = f"{type(err).__name__}: {err}"
+                self.outputs.finish(seq, "error")
+                outputs.append(self.outputs.make_output(seq))
+        self._release_finished()
+        self._seqs.clear()
+        self._compiling = []
+        self.close()
+        return outputs
+
+    def close(self) -> None:
+        """Stop the worker processes (expert parallelism) and the forward thread; idempotent."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._pending_outputs
         self._pending_outputs = []
         if self._aborted:

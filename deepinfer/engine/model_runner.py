@@ -47,13 +47,17 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quantized: dict | None = None, quant_mode: str | None = None):
+                 quantized: dict | None = None, quant_mode: str | None = None, model_hook=None):
+        """model_hook(model): called between building the model and loading its weights (expert
+        parallelism: a worker keeps only its own experts, deepinfer/distributed/ep_model.py)."""
         self.config = config
         self.precision = "float32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.model = build_model(model_config)
+        if model_hook is not None:
+            model_hook(self.model)
         self.model.load_weights(weights, dtype, device)
         self.model.eval()
         # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them

@@ -35,6 +35,24 @@ from deepinfer.engine.attention import ForwardContext
 from deepinfer.engine.moe_config import MoeConfig, MoeConfigError
 
 
+def _sigmoid_rows(z: torch.Tensor, width: int = 64, rows: int = 256) -> torch.Tensor:
+    """torch.sigmoid whose bits for a row do not depend on the row's place in the batch.
+
+    torch's elementwise CPU loop runs 2 vectors at a time and the flat tensor's last < 2 vectors
+    through a scalar path with other rounding, so plain sigmoid([T, E]) gave the last row of a
+    9-row batch other bits than the same row inside an 18-row batch (found by the expert-parallel
+    bitwise test, where ranks route halves of the batch). Rows padded to a multiple of 64 floats
+    (whole 2-vector steps on AVX2 (16 floats) and AVX-512 (32)), in blocks of 256 rows (16K floats:
+    under torch's parallel grain, so one thread runs each block from its start), never reach it."""
+    T, E = z.shape
+    out = torch.empty_like(z)
+    for s in range(0, T, rows):
+        blk = z.new_zeros(min(rows, T - s), -(-E // width) * width)
+        blk[:, :E] = z[s : s + rows]
+        out[s : s + rows] = torch.sigmoid(blk)[:, :E]
+    return out
+
+
 class MoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig, shared_name: str = "shared_expert",
                  local_experts: list[int] | None = None):
@@ -46,13 +64,7 @@ class MoeBlock(nn.Module):
         self.hidden = hidden_size
         self.inter = inter
         # the global ids of the experts this block holds, in the order of its weight lists
-        self.local_experts = list(range(E)) if local_experts is None else list(local_experts)
-        self._global_to_local = None  # [E] int64 (-1: not held), only for a subset
-        if self.local_experts != list(range(E)):
-            if len(set(self.local_experts)) != len(self.local_experts) or not all(0 <= e < E for e in self.local_experts):
-                raise MoeConfigError(f"local_experts must be distinct expert ids in [0, {E}), got {self.local_experts}")
-            self._global_to_local = torch.full((E,), -1, dtype=torch.long)
-            self._global_to_local[self.local_experts] = torch.arange(len(self.local_experts))
+        self._set_local_experts(list(range(E)) if local_experts is None else list(local_experts))
         self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
         # the router stays fp32 whatever the model dtype (DeepSeek-V3 routes in fp32; on CPU all is fp32)
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False)
@@ -67,6 +79,30 @@ class MoeBlock(nn.Module):
             self.shared = GatedMLP(SimpleNamespace(hidden_size=hidden_size, intermediate_size=moe.shared_intermediate_size))
         self.shared_gate_weight = (
             nn.Parameter(torch.empty(1, hidden_size), requires_grad=False) if moe.shared_expert_gate else None)
+        # expert parallelism (deepinfer/distributed): the object that runs the expert step across
+        # processes; None runs grouped_experts here over the experts this block holds
+        self.dispatcher = None
+
+    def _set_local_experts(self, ids: list[int]) -> None:
+        E = self.moe.num_experts
+        self.local_experts = ids
+        self._global_to_local = None  # [E] int64 (-1: not held), only for a subset
+        if ids != list(range(E)):
+            if len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
+                raise MoeConfigError(f"local_experts must be distinct expert ids in [0, {E}), got {ids}")
+            self._global_to_local = torch.full((E,), -1, dtype=torch.long)
+            self._global_to_local[ids] = torch.arange(len(ids))
+
+    def hold_experts(self, expert_ids) -> None:
+        """Keep only the experts expert_ids (global ids, a subset of those held now; before load: the
+        others are never loaded or packed). Expert parallelism: a rank's shard."""
+        held = {e: i for i, e in enumerate(self.local_experts)}
+        missing = [e for e in expert_ids if e not in held]
+        if missing:
+            raise MoeConfigError(f"hold_experts: experts {missing} are not held by this block")
+        self.expert_gate_up = nn.ParameterList(self.expert_gate_up[held[e]] for e in expert_ids)
+        self.expert_down = nn.ParameterList(self.expert_down[held[e]] for e in expert_ids)
+        self._set_local_experts(list(expert_ids))
 
     # ---- routing --------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +112,7 @@ class MoeBlock(nn.Module):
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
-        scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else logits.float().sigmoid()
+        scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else _sigmoid_rows(logits.float())
         choice = scores + self.score_bias if self.score_bias is not None else scores
         if m.n_group > 1:
             T = choice.shape[0]
@@ -145,7 +181,10 @@ class MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         w, idx = self.route(x, meta)
-        per_slot = self.grouped_experts(x, idx, meta)
+        if self.dispatcher is not None:  # [T, k, H] computed where the experts live
+            per_slot = self.dispatcher(self, x, idx, meta)
+        else:
+            per_slot = self.grouped_experts(x, idx, meta)
         w = w.to(x.dtype)
         out = per_slot[:, 0] * w[:, :1]
         for j in range(1, idx.shape[1]):  # a fixed (slot) order: the same sum whatever the batch

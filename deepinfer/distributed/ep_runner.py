@@ -1,0 +1,212 @@
+"""The engine process's stand-in for ModelRunner under expert parallelism: starts N worker processes
+(torch.multiprocessing, spawn), ships each step's ForwardBatch to all of them and returns rank 0's
+logits. The engine's scheduler, KV block pool and radix cache stay in the engine process; every
+worker holds a KV cache of the same shape and writes the same slots (replicated attention,
+ep_model.py), so block ids mean the same on every rank.
+
+Faults: every reply is awaited together with every worker's process sentinel, up to
+expert_parallel_timeout. A worker that exits ends the engine at once, named by rank; one that
+stops answering is named at the timeout (its heartbeat is stale, while ranks blocked in a
+collective waiting for it keep beating); an exception in a worker is raised with its message. Then
+every worker is killed, and DistributedWorkerError reaches the engine, which finishes its requests
+with reason "error". close() (or garbage collection, or interpreter exit) leaves no worker running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import wait as mp_wait
+
+import torch
+
+from deepinfer.distributed.sharding import ExpertShard
+from deepinfer.distributed.wire import pack_batch, unpack_tensor
+from deepinfer.engine.forward_batch import ForwardBatch
+from deepinfer.errors import DistributedWorkerError, ExpertParallelConfigError
+
+STARTUP_TIMEOUT_S = 600.0  # loading (and converting) a model can take minutes; a dead worker ends it at once
+STALE_HEARTBEAT_S = 2.0
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()  # SIGKILL: also ends a stopped (SIGSTOP) process
+    for p in procs:
+        p.join(timeout=5)
+
+
+class EpRunner:
+    def __init__(self, config, model_config, model_source: str, device: torch.device, dtype: torch.dtype):
+        N = config.expert_parallel_size
+        moe = getattr(model_config, "moe", None)
+        if moe is None:
+            raise ExpertParallelConfigError(
+                f"expert_parallel_size={N}: {model_config.architecture} "
+                "has no routed experts")
+        ExpertShard(moe.num_experts, N, 0)  # E % N != 0: a clear error before any process starts
+        bad = [name for name, on in (("speculative", config.speculative is not None), ("cuda_graphs", config.cuda_graphs),
+                                     ("quantized dtype", config.dtype.startswith("quantized"))) if on]
+        if bad:
+            raise ExpertParallelConfigError(f"expert_parallel_size={N} does not support {', '.join(bad)} yet")
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.world_size = N
+        self.timeout = float(config.expert_parallel_timeout)
+        self.failure: DistributedWorkerError | None = None
+        if config.kv_cache_memory is None:  # one budget, decided here, so every rank sizes the same pool
+            from deepinfer.engine.model_runner import available_memory
+
+            budget = int(available_memory(device) * config.kv_cache_fraction) // N  # N replicas of the cache
+            if device.type == "cpu":
+                budget = min(budget, config.max_kv_cache_memory_cpu)
+            config = dataclasses.replace(config, kv_cache_memory=max(budget, 1))
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // N)
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="deepinfer-ep-")
+        self.heartbeats = ctx.Array("d", N, lock=False)
+        self.procs, self.conns = [], []
+        from deepinfer.distributed.worker import worker_main
+
+        for r in range(N):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, daemon=True, name=f"deepinfer-ep-{r}",
+                            args=(r, N, os.path.join(self._dir, "rendezvous"), config, model_source, str(device),
+                                  str(dtype).removeprefix("torch."), threads, child, self.heartbeats, os.getpid()))
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, EpRunner._cleanup, list(self.procs), self._dir)
+        infos = self._collect("start-up", STARTUP_TIMEOUT_S)
+        self.info = infos
+        if len({i["num_blocks"] for i in infos}) != 1:
+            self.close()
+            raise ExpertParallelConfigError(f"workers sized different KV pools: {[i['num_blocks'] for i in infos]}")
+        self.num_blocks = infos[0]["num_blocks"]
+        self.kv_bytes_per_token = infos[0]["kv_bytes_per_token"]
+        self.bytes_per_block = self.block_size * self.kv_bytes_per_token
+        self.precision = infos[0]["precision"]
+        self.pids = [i["pid"] for i in infos]
+
+    # ---- the ModelRunner interface the engine uses --------------------------------------------------
+    def weight_bytes(self) -> int:
+        return sum(i["weight_bytes"] for i in self.info)
+
+    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        return batch  # each worker prepares its own attention metadata
+
+    def forward(self, batch: ForwardBatch, prev_tokens: torch.Tensor | None = None,
+                num_layers: int | None = None) -> torch.Tensor:
+        if num_layers is not None:
+            raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
+        ids = batch.input_ids
+        if prev_tokens is not None:
+            ph = ids < 0
+            ids = torch.where(ph, prev_tokens.cpu()[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
+        first = pack_batch(batch, input_ids=ids)
+        rest = pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))  # logits on rank 0 only
+        self._send_all([("forward", first)] + [("forward", rest)] * (self.world_size - 1))
+        out = self._collect("a forward step", self.timeout)
+        return unpack_tensor(out[0]).to(self.device)
+
+    def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
+        self._send_all([("copy_kv", src_block, dst_block, n)] * self.world_size)
+        self._collect("a KV copy", self.timeout)
+
+    def measure_forward_cost(self, *a, **kw):
+        raise ExpertParallelConfigError("expert parallelism does not measure forward costs (speculation is off)")
+
+    def comm_stats(self, reset: bool = False) -> list[dict]:
+        """Per rank: bytes sent and seconds in dispatch, combine, gather, expert GEMMs, MoE layers, forwards."""
+        self._send_all([("stats", reset)] * self.world_size)
+        return self._collect("stats", self.timeout)
+
+    def close(self) -> None:
+        if self._finalizer.alive:
+            if self.failure is None:
+                try:
+                    self._send_all([("close",)] * self.world_size)
+                    self._collect("close", 10.0)
+                except DistributedWorkerError:
+                    pass
+            self._finalizer()
+
+    @staticmethod
+    def _cleanup(procs, tmpdir) -> None:
+        for p in procs:
+            p.join(timeout=2)
+        _kill_all(procs)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+    # ---- messaging with fault detection ----------------------------------------------------------
+    def _send_all(self, msgs) -> None:
+        if self.failure is not None:
+            raise self.failure
+        for r, (c, m) in enumerate(zip(self.conns, msgs)):
+            try:
+                c.send(m)
+            except (BrokenPipeError, OSError):
+                self._fail(r, f"expert-parallel worker rank {r} is gone (exit code {self.procs[r].exitcode})")
+
+    def _collect(self, what: str, timeout: float) -> list:
+        """Every rank's reply, or DistributedWorkerError naming the rank that died, hung or failed."""
+        deadline = time.monotonic() + timeout
+        replies: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        while pending:
+            watch = {}
+            for r in pending:
+                watch[self.conns[r]] = r
+                watch[self.procs[r].sentinel] = r
+            ready = mp_wait(list(watch), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                now = time.time()
+                stale = sorted(r for r in pending if now - self.heartbeats[r] > STALE_HEARTBEAT_S)
+                blame = stale or sorted(pending)
+                self._fail(blame[0], f"expert-parallel worker rank {blame[0]} did not finish {what} within "
+                                     f"{timeout:g}s ({'hung: no heartbeat' if stale else 'timed out'}; "
+                                     f"rank(s) {sorted(pending)} silent)")
+            # replies before exits: a worker that reported an error and exited is named by its report
+            for obj in sorted(ready, key=lambda o: not hasattr(o, "recv")):
+                r = watch[obj]
+                if r not in pending:
+                    continue
+                conn = self.conns[r]
+                if obj is conn or conn.poll():
+                    try:
+                        status, payload = conn.recv()
+                    except (EOFError, OSError):
+                        self._died(r, what)
+                    pending.discard(r)
+                    (replies if status == "ok" else errors)[r] = payload
+                else:
+                    self._died(r, what)
+        if errors:
+            # a rank whose own work failed, rather than one that saw its peer's failure in a collective
+            peer = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
+            own = [r for r in sorted(errors) if not any(s in errors[r].lower() for s in peer)]
+            r = (own or sorted(errors))[0]
+            self._fail(r, f"expert-parallel worker rank {r} failed during {what}: {errors[r]}")
+        return [replies[r] for r in range(self.world_size)]
+
+    def _died(self, r: int, what: str):
+        self.procs[r].join(timeout=1)
+        hint = (" (workers are spawned: a launching script must guard its top level with "
+                "`if __name__ == '__main__':`)" if what == "start-up" else "")
+        self._fail(r, f"expert-parallel worker rank {r} died during {what} (exit code {self.procs[r].exitcode}){hint}")
+
+    def _fail(self, rank: int, message: str):
+        self.failure = DistributedWorkerError(message, rank=rank)
+        _kill_all(self.procs)
+        self._finalizer()
+        raise self.failure
