@@ -81,3 +81,13 @@ def hf_reference_model(model: str | None = None):
     if c.tie_word_embeddings:
         hf.tie_weights()
     return hf, loaded.tokenizer
+
+
+def save_random_moe(model, path: str) -> str:
+    """Random MoE weights with clear routing winners (router rows wider than the rest), saved as an HF dir."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3 if name.endswith("gate.weight") else 0.03)
+    model.save_pretrained(path)
+    return path

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch
 
+from common import save_random_moe
 from deepinfer import Engine, SamplingParams
 
 H, E, K, GROUPS, TOPK_GROUP = 1024, 32, 4, 4, 2
@@ -58,12 +59,7 @@ def build(root: str, layers: int) -> str:
         q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3 if name.endswith("gate.weight") else 0.03)
-    model.save_pretrained(path)
-    return path
+    return save_random_moe(model, path)
 
 
 class _LocalTimers:

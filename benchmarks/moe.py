@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch
 
+from common import save_random_moe
 from deepinfer import Engine, SamplingParams
 
 PROMPT_LEN = 16
@@ -56,12 +57,7 @@ def build(kind: str, root: str) -> str:
         cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(0)
     model = cls(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3 if name.endswith("gate.weight") else 0.03)
-    model.save_pretrained(path)
-    return path
+    return save_random_moe(model, path)
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
