@@ -73,6 +73,7 @@ def empirical(args) -> None:
     and without complete_within_budget, and outputs reported valid that fail validation (must be 0)."""
     import json
     import random
+    import time
 
     import jsonschema
 
@@ -92,7 +93,9 @@ def empirical(args) -> None:
     for budget in (False, True):
         params = [SamplingParams(temperature=0, max_tokens=args.empirical_max_tokens, json_schema=r["schema"],
                                  complete_within_budget=budget) for r in recs]
+        t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
+        took = time.perf_counter() - t0
         ok = lied = refused = flagged = 0
         for o, r in zip(outs, recs):
             if o.finish_reason == "error":
@@ -108,7 +111,7 @@ def empirical(args) -> None:
             flagged += o.valid is False
         print(f"empirical (complete_within_budget={budget}, max_tokens {args.empirical_max_tokens}): "
               f"{ok}/{len(recs)} = {ok / len(recs):.1%} parse and validate; refused {refused}; "
-              f"reported valid=False {flagged}; reported valid but invalid {lied}", flush=True)
+              f"reported valid=False {flagged}; reported valid but invalid {lied}; {took:.0f}s", flush=True)
 
 
 def _real_masks(V: int) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from deepinfer.grammar.bitmask import allocate_token_bitmask
 from deepinfer.grammar.emptiness import regex_is_empty
 from deepinfer.grammar.exactness import check_spec, diagnostics_keywords, schema_of, table_approximated
 from deepinfer.grammar.formats import lower_formats
+from deepinfer.grammar.lowering import lower_schema
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
@@ -209,12 +210,20 @@ class GrammarCompiler:
                 self.stats["invalid_specs"] += 1
             raise
         schema = schema_of(spec)
-        target = spec  # what the backends compile: formats lowered to exact patterns (formats.py)
-        if schema is not None:
-            lowered = lower_formats(schema)
+        # what the backends compile: exact rewrites (lowering.py) and formats lowered to exact
+        # patterns (formats.py); property order is kept (the backends generate in that order)
+        target = spec
+        if schema is not None and spec.kind == "json_schema":
+            try:
+                lowered = lower_formats(lower_schema(schema))
+            except InvalidSpecError:
+                with self._lock:
+                    self.stats["failures"] += 1
+                    self.stats["invalid_specs"] += 1
+                raise
             if lowered is not schema:
                 schema = lowered
-                target = GrammarSpec(spec.kind, json.dumps(lowered, sort_keys=True))
+                target = GrammarSpec(spec.kind, json.dumps(lowered, ensure_ascii=False))
         errors: list[str] = []
         best: tuple[CompiledGrammar, str, int] | None = None
         for i, name in enumerate(self._order()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import llguidance as llg
+import numpy as np
 import llguidance.torch as llg_torch
 import torch
 
@@ -54,8 +55,14 @@ class LLGuidanceMatcher(GrammarMatcher):
             return
         llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
         # stop tokens exactly when the text so far is complete (ours may differ from llguidance's EOS)
+        accepting = self._m.is_accepting()
+        if out.device.type == "cpu":  # numpy on the row's view: torch indexing took 22 of 42 us per fill
+            view = out.numpy()
+            for w, b in self._cg.stop_pairs:
+                view[w] = (view[w] | b) if accepting else (view[w] & ~b)
+            return
         words, bits = self._cg.stop_words, self._cg.stop_bits
-        if self._m.is_accepting():
+        if accepting:
             out[words] |= bits
         else:
             out[words] &= ~bits
@@ -95,6 +102,7 @@ class LLGuidanceCompiled(CompiledGrammar):
         self.stop_ids = backend.stop_ids
         self.n_tokens = backend.n_tokens
         self.stop_words, self.stop_bits = backend.stop_words, backend.stop_bits
+        self.stop_pairs = backend.stop_pairs
 
     def new_matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self)
@@ -119,6 +127,7 @@ class LLGuidanceBackend(GrammarBackend):
         self.stop_bits = torch.tensor(
             [v - (1 << 32) if v >= 1 << 31 else v for _, v in sorted(per_word.items())], dtype=torch.int32
         )
+        self.stop_pairs = [(int(w), np.int32(b)) for w, b in zip(self.stop_words.tolist(), self.stop_bits.tolist())]
 
     def grammar_for(self, spec: GrammarSpec) -> str:
         """llguidance's grammar text for spec."""

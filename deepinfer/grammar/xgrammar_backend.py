@@ -79,22 +79,40 @@ def choices_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
 
 
-def drop_false_properties(schema):
+_NOT_SCHEMAS = frozenset({"properties", "patternProperties", "const", "enum", "default", "examples"})
+
+
+def drop_false_properties(schema, dropped: list[tuple[str, bool]] | None = None):
     """A copy of schema without optional properties whose schema is `false` (the key may not
-    appear). xgrammar rejects such schemas outright ("Schema 'false' cannot accept any value").
-    Exact under strict mode or additionalProperties: false; otherwise the key becomes an
-    ordinary additional property (a slight over-approximation)."""
+    appear; (name, whether the object states additionalProperties) is appended to dropped), and
+    with `false` pattern-property schemas written `{"not": {}}` (the same schema, which xgrammar
+    compiles without enforcing it: reported through dropped too). xgrammar rejects `false` outright ("Schema 'false' cannot accept any value").
+    Dropping is exact under strict mode or additionalProperties: false; otherwise the key becomes
+    an ordinary additional property (an over-approximation the backend reports as a warning)."""
     if isinstance(schema, list):
-        return [drop_false_properties(x) for x in schema]
+        return [drop_false_properties(x, dropped) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: drop_false_properties(v) for k, v in schema.items()}
+    # values (const, enum, ...) are data, not schemas; the two property maps are handled below
+    # (visiting them here too doubled the work per nesting level)
+    out = {k: v if k in _NOT_SCHEMAS else drop_false_properties(v, dropped) for k, v in schema.items()}
     props = schema.get("properties")
     if isinstance(props, dict):
         required = set(schema.get("required") or [])
-        out["properties"] = {
-            k: drop_false_properties(v) for k, v in props.items() if not (v is False and k not in required)
-        }
+        out["properties"] = {}
+        for k, v in props.items():
+            if v is False and k not in required:
+                ap = schema.get("additionalProperties")
+                if dropped is not None and ap is not False:  # (key, additional keys allowed even in strict mode)
+                    dropped.append((k, ap is not None))
+                continue
+            out["properties"][k] = drop_false_properties(v, dropped)
+    pats = schema.get("patternProperties")
+    if isinstance(pats, dict):
+        out["patternProperties"] = {k: {"not": {}} if v is False else drop_false_properties(v, dropped)
+                                    for k, v in pats.items()}
+        if dropped is not None:  # xgrammar does not enforce `not`: keys matching these are allowed
+            dropped.extend((f"/{k}/", True) for k, v in pats.items() if v is False)
     return out
 
 
@@ -227,7 +245,7 @@ class XGrammarBackend(GrammarBackend):
         warnings: list[str] = []
         try:
             with captured_warnings(warnings):
-                cg = self._compile(spec)
+                cg = self._compile(spec, warnings)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a parser message
@@ -237,9 +255,9 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (xgrammar): {msg}") from e
         return XGrammarCompiled(spec, cg, list(dict.fromkeys(warnings)), self.first_byte)
 
-    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def _compile(self, spec: GrammarSpec, warnings: list[str]) -> xgr.CompiledGrammar:
         if spec.kind in ("json_schema", "json_object"):
-            return self._compile_schema(spec)
+            return self._compile_schema(spec, warnings)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.text)
         if spec.kind == "ebnf":
@@ -248,20 +266,26 @@ class XGrammarBackend(GrammarBackend):
             return self._compiler.compile_grammar(choices_ebnf(json.loads(spec.text)))
         raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")  # new kinds
 
-    def _compile_schema(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def _compile_schema(self, spec: GrammarSpec, warnings: list[str]) -> xgr.CompiledGrammar:
         text = spec.text
-        if '"properties"' in text and "false" in text:
-            text = json.dumps(drop_false_properties(json.loads(text)))
+        dropped: list[str] = []
+        if "roperties" in text and "false" in text:
+            text = json.dumps(drop_false_properties(json.loads(text), dropped), ensure_ascii=False)
         strict = self.strict_json and spec.kind == "json_schema"
         try:
-            return self._compiler.compile_json_schema(
+            cg = self._compiler.compile_json_schema(
                 text, any_whitespace=True, strict_mode=strict, max_whitespace_cnt=MAX_JSON_WHITESPACE
             )
         except Exception:
             if not strict:
                 raise
-        # strict mode can make a schema unsatisfiable (e.g. minProperties above the declared
-        # properties): such a schema needs its undeclared properties, so compile it non-strict
-        return self._compiler.compile_json_schema(
-            text, any_whitespace=True, strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
-        )
+            # strict mode can make a schema unsatisfiable (e.g. minProperties above the declared
+            # properties): such a schema needs its undeclared properties, so compile it non-strict
+            strict = False
+            cg = self._compiler.compile_json_schema(
+                text, any_whitespace=True, strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
+            )
+        loose = sorted({k for k, explicit in dropped if explicit or not strict})
+        if loose:  # these forbidden keys became ordinary additional properties
+            warnings.append(f"false property schemas not enforced (keys allowed): {loose}")
+        return cg
