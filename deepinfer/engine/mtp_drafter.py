@@ -55,9 +55,6 @@ class MtpDrafter:
             return [], ("mtp", 0)
         return [nd[1]], ("mtp", nd[2])
 
-    def propose_keyed(self, tokens: list[int], k: int) -> tuple[list[int], tuple]:
-        raise TypeError("MtpDrafter drafts per sequence (propose_for): its drafts come from the MTP cache")
-
     @torch.inference_mode()
     def after_step(self, step) -> None:
         """Run the MTP rows that the step made possible (see the module doc) and keep each sequence's

@@ -176,7 +176,11 @@ class Speculator:
     """Proposes drafts for decoding sequences, sizes their verification, and learns from results."""
 
     def __init__(self, drafter, cost: ForwardCost | None, draft_frac: float = 0.0):
-        self.drafter = drafter  # NgramDrafter or draft_model.SelfDrafter (propose_keyed, max_draft, index)
+        self.drafter = drafter  # NgramDrafter, SelfDrafter or MtpDrafter (max_draft, index, propose_*)
+        # (sequence, most drafts) -> (drafts, key): MtpDrafter keeps drafts per sequence (propose_for),
+        # the others draft from the sequence's tokens (propose_keyed); chosen once, not per sequence
+        self._propose = getattr(drafter, "propose_for", None) or (
+            lambda seq, k: drafter.propose_keyed(seq.all_token_ids, k))
         self.cost = cost  # None: verify every proposed draft (no budget)
         self.draft_frac = draft_frac  # cost of a draft pass / a full forward (0: drafts are free)
         self.confidence = DraftConfidence(drafter.max_draft)
@@ -196,10 +200,7 @@ class Speculator:
         t0 = time.perf_counter()
         drafted: list[tuple[Sequence, list[int], tuple]] = []
         for seq, room in seqs:
-            if hasattr(self.drafter, "propose_for"):  # drafts kept per sequence (mtp_drafter.py)
-                tokens, key = self.drafter.propose_for(seq, room)
-            else:
-                tokens, key = self.drafter.propose_keyed(seq.all_token_ids, room)
+            tokens, key = self._propose(seq, room)
             if tokens:
                 drafted.append((seq, tokens, key))
         plan = VerifyPlan(proposed=sum(len(t) for _, t, _ in drafted))
