@@ -525,7 +525,8 @@ class Engine:
             # decode(+draft) steps only, the ones the budget chooses between (a prefill chunk is
             # another shape); the whole step's time where it is known (synchronous loop)
             secs = time.perf_counter() - st.t_start if st.t_start else st.forward_s
-            self.speculator.observe_forward(st.num_tokens, secs)
+            budgeted = sum(len(e.drafts) for e in st.entries if e.seq.draft_key != FORCED_KEY)
+            self.speculator.observe_step(st.num_tokens, budgeted, secs)
         outputs = [self.outputs.make_output(seq) for seq in progressed]
         for seq in progressed:
             if seq.is_finished:

@@ -10,12 +10,19 @@ bandwidth-bound CPU a few more tokens cost almost nothing, so every likely draft
 large batches the forward is compute-bound, each slot costs its share, and only near-certain drafts
 are (no user flag needed for that).
 
-Two corrections keep it from costing time where it cannot pay (the 0.97x floor): the cost model
-is refreshed online from the steps the engine actually runs, per size (the start-up measurement
-is of forward passes in decode shape; verify steps, with their host work, cost more per token), and drafting itself (host time, ~10 us per
-sequence) backs off: a step whose admitted drafts are not expected to save more time than
-proposing them took (on average over recent rounds) is followed by 1, 2, 4 .. 16 steps that
-propose nothing.
+Three corrections keep it from costing time where it cannot pay (the 0.97x floor):
+- the cost model is refreshed online, per size, from the decode steps the engine runs *without*
+  drafts (the start-up measurement is of bare forward passes; a real step adds sampling and host
+  work);
+- a draft slot's price is learned from the steps that verify drafts: what such a step took beyond
+  the cost model's time for its token count, per admitted draft (`slot_extra`: sampling and
+  acceptance of the extra rows, attention over several query tokens per sequence). Before this
+  term, at batch 128 the budget admitted ~21 drafts per step whose forward-shape price looked
+  fine, and the run was 0.94x of no speculation; a price learned from the steps themselves cannot
+  drift from what they cost;
+- drafting itself (host time, ~10 us per sequence) backs off: a step whose admitted drafts are not
+  expected to save more time than proposing them took (on average over recent rounds) is followed
+  by 1, 2, 4 .. 16 steps that propose nothing (those steps also keep the no-draft cost current).
 """
 
 from __future__ import annotations
@@ -126,23 +133,24 @@ class DraftConfidence:
 
 
 def choose_lengths(survival: list[list[float]], base_tokens: int, base_gain: float, cost: ForwardCost,
-                   draft_frac: float = 0.0) -> list[int]:
+                   draft_frac: float = 0.0, slot_extra: float = 0.0) -> list[int]:
     """How many drafts of each sequence to verify: admit (sequence, position) slots by survival
     probability, keeping the count that maximises expected tokens gained per second.
     draft_frac: drafts made by a model pass (self-drafting) cost a pass per draft position over the
-    sequences drafting that far, each `draft_frac` of a full forward of that size."""
-    return _choose(survival, base_tokens, base_gain, cost, draft_frac)[0]
+    sequences drafting that far, each `draft_frac` of a full forward of that size.
+    slot_extra: seconds a verified draft costs beyond the forward of its token (learned online)."""
+    return _choose(survival, base_tokens, base_gain, cost, draft_frac, slot_extra)[0]
 
 
 def _choose(survival: list[list[float]], base_tokens: int, base_gain: float,
-            cost: ForwardCost, draft_frac: float = 0.0) -> tuple[list[int], float]:
+            cost: ForwardCost, draft_frac: float = 0.0, slot_extra: float = 0.0) -> tuple[list[int], float]:
     """(lengths, expected seconds saved by them): the time the step's expected tokens would take
     at the no-draft rate, minus the time the step with the drafts takes."""
     slots = sorted(((-p, j, i) for i, ps in enumerate(survival) for j, p in enumerate(ps)))
     gain, T = base_gain, base_tokens
     best_rate = gain / cost(T) if T else 0.0
     best_n = 0
-    extra = best_extra = 0.0  # seconds of draft passes
+    extra = best_extra = 0.0  # seconds of draft passes and of the slots' learned extra cost
     at_pos: dict[int, int] = {}  # draft position -> sequences drafting that far
     for n, (neg_p, j, _) in enumerate(slots, 1):
         gain -= neg_p * DISCOUNT
@@ -151,6 +159,7 @@ def _choose(survival: list[list[float]], base_tokens: int, base_gain: float,
             m = at_pos.get(j, 0)
             extra += draft_frac * (cost(m + 1) - (cost(m) if m else 0.0))
             at_pos[j] = m + 1
+        extra += slot_extra
         rate = gain / (cost(T) + extra)
         if rate > best_rate:
             best_rate, best_n, best_extra = rate, n, extra
@@ -184,6 +193,8 @@ class Speculator:
         self.cost = cost  # None: verify every proposed draft (no budget)
         self.draft_frac = draft_frac  # cost of a draft pass / a full forward (0: drafts are free)
         self.confidence = DraftConfidence(drafter.max_draft)
+        self.slot_extra = 0.0  # seconds a verified draft costs beyond its token's forward cost (EMA)
+        self._drafter_s = 0.0  # the self-drafter's pass seconds already accounted for
         self.propose_s = 0.0  # host seconds one round of drafting takes (EMA)
         self.saved_s = 0.0  # seconds one round's admitted drafts are expected to save (EMA, zeros incl.)
         self._backoff = 0  # steps drafting pauses for after the next one that does not pay
@@ -219,7 +230,7 @@ class Speculator:
                 p *= c
                 ps.append(p)
             survival.append(ps)
-        lengths, saved = _choose(survival, base_tokens, base_gain, self.cost, self.draft_frac)
+        lengths, saved = _choose(survival, base_tokens, base_gain, self.cost, self.draft_frac, self.slot_extra)
         for (seq, tokens, key), k in zip(drafted, lengths):
             seq.draft_token_ids = tokens[:k]
             seq.draft_key = key
@@ -248,10 +259,22 @@ class Speculator:
             self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
             self._skip = self._backoff
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """A step over num_tokens query tokens took `seconds` (refreshes the cost model)."""
-        if self.cost is not None:
+    def observe_step(self, num_tokens: int, drafts: int, seconds: float) -> None:
+        """A decode step over num_tokens query tokens, `drafts` of them budgeted drafts, took
+        `seconds`. Without drafts it refreshes the cost model; with them, what it took beyond the
+        model's time for num_tokens is the drafts' extra price (never below 0: a step that ran faster
+        than modelled says the machine sped up, which the next draft-free step teaches the model)."""
+        if self.cost is None or num_tokens < 1 or not seconds > 0:
+            return
+        passes = self.drafter.seconds - self._drafter_s if self.draft_frac else 0.0
+        self._drafter_s += passes  # a self-drafter's passes are priced by draft_frac, not here
+        if drafts <= 0:
             self.cost.observe(num_tokens, seconds)
+            return
+        per_slot = max(0.0, seconds - passes - self.cost(num_tokens)) / drafts
+        # bounded like the cost model's observations: one stalled step must not price drafts out for long
+        per_slot = min(per_slot, 4.0 * self.cost(num_tokens) / num_tokens)
+        self.slot_extra += EMA * (per_slot - self.slot_extra)
 
     def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
         if seq.draft_key is not None:

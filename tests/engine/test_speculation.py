@@ -101,3 +101,27 @@ def test_drafting_never_pauses_where_it_pays():
         spec.observe(seq, 4, 4)
     assert all(spec.propose([(seq, 4)], base_tokens=1, base_gain=1.0).admitted == 4 for _ in range(30))
     assert spec.paused_steps == 0
+
+
+def test_draft_price_is_learned_from_the_steps_that_verify_drafts():
+    # start-up says drafts are almost free (a flat curve), but steps that verify 64 drafts take
+    # twice the modelled time: the learned per-slot price must stop the budget admitting them
+    cost = ForwardCost([(64, 1.0), (1024, 1.2)])
+    spec = Speculator(NgramDrafter(4), cost)
+    seqs = [(_seq([5, 6, 7, 8, 9, 5, 6, 7]), 4) for _ in range(64)]
+    for s, _ in seqs:
+        for _ in range(20):
+            spec.observe(s, 4, 2)  # drafts 1-2 always pass, 3-4 never: survival ~0.95, ~0.9, ~0.05, ..
+    first = spec.propose(seqs, base_tokens=64, base_gain=64.0).admitted
+    assert first >= 64  # at the start-up price the likely drafts are worth verifying
+    before = cost(64)
+    for _ in range(30):
+        spec.observe_step(64 + 64, 64, 2.0 * cost(128))
+    assert cost(64) == before  # steps with drafts never move the no-draft cost model
+    assert spec.slot_extra == pytest.approx(cost(128) / 64, rel=0.05)
+    spec._skip = 0
+    assert spec.propose(seqs, base_tokens=64, base_gain=64.0).admitted == 0
+    # draft-free steps teach the cost model; they leave the slot price alone
+    extra = spec.slot_extra
+    spec.observe_step(64, 0, 2.0)
+    assert cost(64) > before and spec.slot_extra == extra
