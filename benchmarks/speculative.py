@@ -11,7 +11,7 @@ Both engines are greedy and give identical outputs (checked here on every run). 
 best of --repeats runs, on and off alternating, so both see the same host conditions.
 
     python benchmarks/speculative.py [--batches 1 8 32 128] [--max-tokens 96] [--repeats 2]
-        [--method ngram|draft|mtp] [--draft-layers N] [--model PATH]
+        [--method ngram|draft|mtp] [--draft-layers N | --draft-model PATH] [--model PATH]
 
 --method mtp needs a checkpoint with a multi-token-prediction layer (DeepSeek-V3 family; --model).
 """
@@ -84,11 +84,14 @@ def main() -> None:
                          "checkpoint's MTP layer")
     ap.add_argument("--model", default=None, help="model path (default: the default model)")
     ap.add_argument("--draft-layers", type=int, default=None)
+    ap.add_argument("--draft-model", default=None, help="--method draft: a separate draft checkpoint")
     args = ap.parse_args()
 
     common = dict(model=args.model, kv_cache_memory=1 << 30, jump_forward=False)
     off = Engine(**common)
-    extra_on = {"draft_layers": args.draft_layers} if args.method == "draft" else {}
+    extra_on = {}
+    if args.method == "draft":
+        extra_on = {"draft_model": args.draft_model} if args.draft_model else {"draft_layers": args.draft_layers}
     on = Engine(speculative=args.method, num_speculative_tokens=args.draft, **extra_on, **common)
     for e in (off, on):
         e.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))

@@ -56,7 +56,10 @@ def _add_job_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--kv-cache-memory", type=int, default=None, metavar="MIB", help="KV cache size in MiB")
     run.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None,
                      help="speculative decoding (exact: same output): 'ngram' drafts from the record's own text, "
-                          "'draft' from the model's own first layers, 'mtp' from the checkpoint's MTP layer (DeepSeek-V3)")
+                          "'draft' from the model's own first layers (or --draft-model), 'mtp' from the checkpoint's "
+                          "MTP layer (DeepSeek-V3)")
+    run.add_argument("--draft-model", default=None, metavar="PATH",
+                     help="with --speculative draft: a smaller checkpoint sharing the model's tokenizer drafts")
     run.add_argument("--batch-size", "-b", type=int, default=64, help="programs in flight at once (default 64)")
     for name, typ in _SAMPLING_OPTIONS.items():
         run.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"default {name} of every gen")
@@ -83,6 +86,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["kv_cache_memory"] = args.kv_cache_memory << 20
     if args.speculative is not None:
         options["speculative"] = args.speculative
+    if args.draft_model is not None:
+        options["draft_model"] = args.draft_model
     if args.seed is not None:
         options["seed"] = args.seed
     return options

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -49,12 +50,13 @@ class EngineConfig:
     # grammar with jump_forward on get the grammar's drafts. With overlap_schedule, a step that
     # verifies drafts is planned after the step before it (drafts need its tokens); while drafting
     # is paused (it does not pay, speculation.py) the loop overlaps as without speculation.
-    # "draft": self-drafting, the model's first `draft_layers` layers + its head (draft_model.py);
+    # "draft": a draft model: `draft_model` (a smaller checkpoint sharing the tokenizer), or else
+    # self-drafting with the model's first `draft_layers` layers + its head (draft_model.py);
     # "mtp": the checkpoint's multi-token-prediction layer, one draft per step (mtp_drafter.py)
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens verified per sequence per step
     draft_layers: int | None = None  # speculative="draft": early-exit depth (None: a quarter of the layers)
-    draft_model: str | None = None  # a separate draft checkpoint (not supported yet: self-drafting only)
+    draft_model: str | None = None  # speculative="draft": a separate draft checkpoint (HF dir or .gguf)
     # size each step's verification by the drafts' learned confidence and the forward cost measured
     # at start (speculation.py); False verifies every draft the drafter proposes
     speculative_budget: bool = True
@@ -97,8 +99,15 @@ class EngineConfig:
         if self.speculative not in (None, "ngram", "draft", "mtp"):
             raise bad(f"speculative must be 'ngram', 'draft', 'mtp' or None, got {self.speculative!r}")
         if self.draft_model is not None:
-            raise bad("draft_model: a separate draft checkpoint is not supported yet; speculative='draft' "
-                      "drafts with the model's own first draft_layers layers")
+            if not isinstance(self.draft_model, (str, os.PathLike)):
+                raise bad(f"draft_model must be a path to a checkpoint, got {self.draft_model!r}")
+            if self.speculative != "draft":
+                raise bad(f"draft_model is used by speculative='draft', got speculative={self.speculative!r}")
+            if self.draft_layers is not None:
+                raise bad("draft_layers (self-drafting depth) and draft_model (a separate checkpoint) "
+                          "exclude each other")
+            if self.expert_parallel_size != 1:
+                raise bad("draft_model with expert_parallel_size > 1 is not supported (the draft would run in the engine process)")
         if self.draft_layers is not None and (isinstance(self.draft_layers, bool)
                                               or not isinstance(self.draft_layers, int) or self.draft_layers < 1):
             raise bad(f"draft_layers must be an int >= 1 or None, got {self.draft_layers!r}")

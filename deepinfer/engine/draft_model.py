@@ -8,11 +8,21 @@ slots the scheduler allocated for the drafts, and the verify pass that follows r
 target. Draft lengths are chosen before the drafts exist (speculation.py: per-position acceptance
 learned online, the forward-cost model plus the draft passes' own cost); the tokens are drawn after
 the step is scheduled, one batched pass per draft position, greedily.
+
+`CheckpointDrafter` (speculative="draft", draft_model=PATH) drafts with a second, smaller checkpoint
+that shares the target's tokenizer. It has a KV cache of its own, paged by the *target's* block ids
+(its pool has as many blocks), so preemption, the radix cache and fork need no bookkeeping of their
+own: per sequence it remembers which tokens its cache holds and under which block ids, and before
+drafting it brings that cache up to the sequence's newest token in the same batched pass that draws
+the first draft (a new or preempted sequence, or one whose blocks changed, is caught up from the
+start: the draft model is small, and a stale entry would only make worse drafts, never wrong
+outputs, since the target verifies every draft).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -68,3 +78,103 @@ class SelfDrafter:
                 seqs[j].draft_token_ids[i] = tok
                 cur[j] = tok
         self.seconds += time.perf_counter() - t0
+
+
+class CheckpointDrafter:
+    """Drafts from a separate draft model's runner (its own weights and paged KV cache)."""
+
+    index = None
+
+    def __init__(self, runner, target_vocab: int, max_draft: int, block_size: int):
+        self.runner = runner  # the draft model's ModelRunner, num_blocks equal to the target's
+        self.target_vocab = target_vocab  # draws are limited to ids the target knows
+        self.max_draft = max_draft
+        self.block_size = block_size
+        self.seconds = 0.0  # time spent in draft passes (catch-up included)
+        self.caught_up_tokens = 0  # tokens fed to catch the draft cache up (stats, tests)
+        # sequence -> (tokens whose KV the draft cache holds, the block ids they sit in, preemptions then)
+        self._held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def propose_keyed(self, tokens: list[int], k: int) -> tuple[list[int], tuple]:
+        return [PENDING] * min(k, self.max_draft), DRAFT_KEY
+
+    def relative_cost(self, target_runner, sizes=(1, 4, 16)) -> float:
+        """A draft pass's cost as a share of a target forward at the same batch, measured now."""
+        full = dict(target_runner.measure_forward_cost(list(sizes)))
+        part = dict(self.runner.measure_forward_cost(list(sizes)))
+        return sum(part[t] / full[t] for t in sizes) / len(sizes)
+
+    def _valid(self, seq: Sequence) -> int:
+        """How many of the sequence's leading tokens the draft cache holds, as they are now."""
+        held = self._held.get(seq)
+        if held is None:
+            return 0
+        tokens, table, preemptions = held
+        if preemptions != seq.num_preemptions:
+            return 0
+        now = seq.all_token_ids
+        n = 0
+        limit = min(len(tokens), seq.num_computed_tokens)
+        while n < limit and tokens[n] == now[n]:
+            n += 1
+        blocks = -(-n // self.block_size)
+        if seq.block_table[:blocks] != table[:blocks]:
+            return 0
+        return n
+
+    @torch.inference_mode()
+    def fill(self, seqs: list[Sequence]) -> None:
+        """Draw the scheduled drafts (see SelfDrafter.fill). Pass 0 feeds each sequence's tokens from
+        the first one its draft cache lacks through its newest; pass i > 0 feeds draft i - 1."""
+        seqs = [s for s in seqs if s.draft_token_ids]
+        if not seqs:
+            return
+        t0 = time.perf_counter()
+        runs = []
+        for s in seqs:
+            start = self._valid(s)
+            runs.append((s, start, s.all_token_ids[start : s.num_computed_tokens + 1]))
+        # single-token runs first (ForwardBatch lays decodes out before multi-token runs)
+        runs.sort(key=lambda r: len(r[2]) > 1 or r[1] == 0)
+        seqs = [r[0] for r in runs]
+        self.caught_up_tokens += sum(len(t) - 1 for _, _, t in runs)
+        rows, at = [], 0
+        for _, _, toks in runs:
+            at += len(toks)
+            rows.append(at - 1)
+        batch = ForwardBatch.build([t for _, _, t in runs], [st for _, st, _ in runs],
+                                   [s.block_table for s in seqs], rows, self.block_size)
+        drawn = self._draw(batch)
+        for s, tok in zip(seqs, drawn):
+            s.draft_token_ids[0] = tok
+        for i in range(1, max(len(s.draft_token_ids) for s in seqs)):
+            live = [s for s in seqs if len(s.draft_token_ids) > i]
+            batch = ForwardBatch.build(
+                [[s.draft_token_ids[i - 1]] for s in live], [s.num_computed_tokens + i for s in live],
+                [s.block_table for s in live], list(range(len(live))), self.block_size,
+            )
+            for s, tok in zip(live, self._draw(batch)):
+                s.draft_token_ids[i] = tok
+        for s in seqs:
+            # the cache now holds the sequence's tokens and every draft but the last (never fed)
+            held = s.all_token_ids[: s.num_computed_tokens + 1] + s.draft_token_ids[:-1]
+            self._held[s] = (held, list(s.block_table), s.num_preemptions)
+        self.seconds += time.perf_counter() - t0
+
+    def _draw(self, batch: ForwardBatch) -> list[int]:
+        logits = self.runner.forward(self.runner.prepare(batch))
+        return logits[:, : self.target_vocab].argmax(dim=-1).tolist()
+
+
+def check_same_tokenizer(target, draft, draft_source: str) -> None:
+    """A draft model must spell every token id as the target does (its drafts are target ids)."""
+    from deepinfer.errors import InvalidRequestError
+
+    a, b = target.hf.get_vocab(with_added_tokens=True), draft.hf.get_vocab(with_added_tokens=True)
+    if a == b:
+        return
+    diff = sorted((set(a.items()) ^ set(b.items())), key=lambda kv: kv[1])
+    tok, i = diff[0]
+    raise InvalidRequestError(
+        f"draft_model {draft_source}: its tokenizer differs from the target's ({len(a)} vs {len(b)} tokens; "
+        f"first difference at id {i}, {tok!r}); a draft model must share the target's tokenizer")

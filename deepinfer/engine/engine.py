@@ -12,6 +12,7 @@ their KV to the radix cache. This file holds the public API and the step loop th
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -37,7 +38,7 @@ from deepinfer.engine.speculation import ForwardCost, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step, plan_step
 from deepinfer.engine.structured_output import StructuredOutputs
-from deepinfer.errors import DistributedWorkerError, InvalidRequestError, PromptTooLongError
+from deepinfer.errors import DistributedWorkerError, InvalidRequestError, ModelLoadError, PromptTooLongError
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
 MAX_FORCED_DRAFT = 32  # most forced tokens verified in one step (a forced string can be a long JSON key)
@@ -190,6 +191,8 @@ class Engine:
                     "(config num_nextn_predict_layers and its model.layers.<N>.* tensors); use 'ngram' or 'draft'")
             # MTP rows run after every step whatever the plan, so a draft costs the verify budget nothing more
             return Speculator(MtpDrafter(self.runner, cfg.block_size), cost)
+        if cfg.speculative == "draft" and cfg.draft_model is not None:
+            return self._checkpoint_drafter(cost)
         if cfg.speculative == "draft":
             from deepinfer.engine.draft_model import SelfDrafter
 
@@ -200,6 +203,24 @@ class Engine:
                 raise InvalidRequestError(f"EngineConfig: {e}") from None
             return Speculator(drafter, cost, drafter.relative_cost() if cost is not None else 0.0)
         return Speculator(NgramDrafter(k, index=SuffixIndex()), cost)
+
+    def _checkpoint_drafter(self, cost: ForwardCost | None) -> Speculator:
+        """speculative="draft" with draft_model: a second checkpoint with its own runner, whose KV
+        pool mirrors the target's block ids (draft_model.py)."""
+        from deepinfer.engine.draft_model import CheckpointDrafter, check_same_tokenizer
+        from deepinfer.engine.loader import load_model
+
+        cfg = self.config
+        try:
+            loaded = load_model(os.fspath(cfg.draft_model), cache_dir=cfg.cache_dir)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"draft_model: {e}") from None
+        check_same_tokenizer(self.tokenizer, loaded.tokenizer, loaded.source)
+        runner = ModelRunner(cfg, loaded.config, loaded.weights, self.device, self.dtype,
+                             num_blocks=self.runner.num_blocks)
+        del loaded
+        drafter = CheckpointDrafter(runner, self.vocab_size, cfg.num_speculative_tokens, cfg.block_size)
+        return Speculator(drafter, cost, drafter.relative_cost(self.runner) if cost is not None else 0.0)
 
     # ---- submission -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> list[int]:

@@ -47,9 +47,12 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quantized: dict | None = None, quant_mode: str | None = None, model_hook=None):
+                 quantized: dict | None = None, quant_mode: str | None = None, model_hook=None,
+                 num_blocks: int | None = None):
         """model_hook(model): called between building the model and loading its weights (expert
-        parallelism: a worker keeps only its own experts, deepinfer/distributed/ep_model.py)."""
+        parallelism: a worker keeps only its own experts, deepinfer/distributed/ep_model.py).
+        num_blocks: the KV pool's size in blocks (a draft model's runner mirrors the target's block
+        ids); None sizes it from the config's memory budget."""
         self.config = config
         self.precision = "float32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
         self.model_config = model_config
@@ -75,7 +78,7 @@ class ModelRunner:
         n_layers = mc.num_hidden_layers + self.num_mtp_layers
         self.kv_bytes_per_token = n_layers * self.kv_parts * kv_heads * kv_dim * torch.finfo(dtype).bits // 8
         self.bytes_per_block = config.block_size * self.kv_bytes_per_token
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = num_blocks if num_blocks is not None else self._num_blocks()
         self.use_graphs = config.cuda_graphs and device.type == "cuda"
         # one scratch block past the allocator's pool for the padding rows of captured decode steps
         slots = (self.num_blocks + self.use_graphs) * self.block_size

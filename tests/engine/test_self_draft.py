@@ -92,5 +92,3 @@ def test_config_errors(llama, tiny_models):
         Engine(llama, kv_cache_memory=8 << 20, speculative="draft", draft_layers=99)
     with pytest.raises(InvalidRequestError, match="draft_layers must be an int"):
         Engine(llama, kv_cache_memory=8 << 20, speculative="draft", draft_layers=0)
-    with pytest.raises(InvalidRequestError, match="separate draft checkpoint"):
-        Engine(llama, kv_cache_memory=8 << 20, speculative="draft", draft_model=llama)
