@@ -17,6 +17,12 @@ drafting it brings that cache up to the sequence's newest token in the same batc
 the first draft (a new or preempted sequence, or one whose blocks changed, is caught up from the
 start: the draft model is small, and a stale entry would only make worse drafts, never wrong
 outputs, since the target verifies every draft).
+
+Its confidence is its own probability, calibrated online: the budget admits slots by per-position
+acceptance (the drafts do not exist yet when it plans), then each drawn draft's probability under
+the draft model picks a bucket whose acceptance rate is learned from verification (prior: the
+probability itself), and a sequence's run is cut at the first draft whose calibrated survival falls
+below what the budget's last admitted slot needed (SpecDec++'s "stop when rejection is likely").
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.sequence import Sequence
 
 DRAFT_KEY = ("draft",)
+BUCKETS = 10  # draft-model probability buckets whose acceptance is learned (CheckpointDrafter)
+PRIOR_WEIGHT = 4.0  # trials the prior (the bucket's own probability) counts for
+MIN_TRIALS = 8  # verified drafts a bucket needs before its rate can cut a run
 PENDING = -1  # a draft slot scheduled but not drawn yet (filled before the step is planned)
 
 
@@ -57,7 +66,7 @@ class SelfDrafter:
         return sum(part[t] / full[t] for t in sizes) / len(sizes)
 
     @torch.inference_mode()
-    def fill(self, seqs: list[Sequence]) -> None:
+    def fill(self, seqs: list[Sequence], min_survival: float = 0.0) -> None:
         """Draw the scheduled drafts of decoding sequences (each has len(draft_token_ids) slots,
         with KV blocks allocated for them): pass i feeds each sequence's token at position
         num_computed + i and takes the argmax of the early-exit logits as draft i."""
@@ -94,6 +103,29 @@ class CheckpointDrafter:
         self.caught_up_tokens = 0  # tokens fed to catch the draft cache up (stats, tests)
         # sequence -> (tokens whose KV the draft cache holds, the block ids they sit in, preemptions then)
         self._held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # calibration of the draft model's own probability: per bucket, drafts verified and accepted
+        self.trials = [0.0] * BUCKETS
+        self.hits = [0.0] * BUCKETS
+        self._buckets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> its drafts' buckets
+        self.cut_drafts = 0  # drafts cut after drawing because their calibrated survival was too low
+
+    def calibrated(self, bucket: int) -> float | None:
+        """P(accepted | the draft model gave its token a probability in this bucket), or None until
+        the bucket has MIN_TRIALS verified drafts (until then the budget's own estimate stands: a
+        prior alone would cut runs that are never verified, so the bucket would never learn)."""
+        if self.trials[bucket] < MIN_TRIALS:
+            return None
+        prior = (bucket + 0.5) / BUCKETS
+        return (self.hits[bucket] + prior * PRIOR_WEIGHT) / (self.trials[bucket] + PRIOR_WEIGHT)
+
+    def observe_drafts(self, seq: Sequence, verified: int, accepted: int) -> None:
+        """The first `accepted` of the `verified` drafts passed: learn their buckets' rates."""
+        buckets = self._buckets.pop(seq, None)
+        if not buckets:
+            return
+        for j in range(min(accepted + 1, verified, len(buckets))):  # draft j was tried if all before passed
+            self.trials[buckets[j]] += 1
+            self.hits[buckets[j]] += j < accepted
 
     def propose_keyed(self, tokens: list[int], k: int) -> tuple[list[int], tuple]:
         return [PENDING] * min(k, self.max_draft), DRAFT_KEY
@@ -123,9 +155,11 @@ class CheckpointDrafter:
         return n
 
     @torch.inference_mode()
-    def fill(self, seqs: list[Sequence]) -> None:
+    def fill(self, seqs: list[Sequence], min_survival: float = 0.0) -> None:
         """Draw the scheduled drafts (see SelfDrafter.fill). Pass 0 feeds each sequence's tokens from
-        the first one its draft cache lacks through its newest; pass i > 0 feeds draft i - 1."""
+        the first one its draft cache lacks through its newest; pass i > 0 feeds draft i - 1. A run
+        ends early (its draft list shortened) at the first draft whose calibrated survival is below
+        min_survival."""
         seqs = [s for s in seqs if s.draft_token_ids]
         if not seqs:
             return
@@ -144,26 +178,43 @@ class CheckpointDrafter:
             rows.append(at - 1)
         batch = ForwardBatch.build([t for _, _, t in runs], [st for _, st, _ in runs],
                                    [s.block_table for s in seqs], rows, self.block_size)
-        drawn = self._draw(batch)
-        for s, tok in zip(seqs, drawn):
-            s.draft_token_ids[0] = tok
-        for i in range(1, max(len(s.draft_token_ids) for s in seqs)):
-            live = [s for s in seqs if len(s.draft_token_ids) > i]
-            batch = ForwardBatch.build(
-                [[s.draft_token_ids[i - 1]] for s in live], [s.num_computed_tokens + i for s in live],
-                [s.block_table for s in live], list(range(len(live))), self.block_size,
-            )
-            for s, tok in zip(live, self._draw(batch)):
+        fed = {s: 0 for s in seqs}  # drafts fed (their KV written) per sequence
+        survival = {s: 1.0 for s in seqs}
+        buckets: dict[Sequence, list[int]] = {s: [] for s in seqs}
+        live = seqs
+        for i in range(max(len(s.draft_token_ids) for s in seqs)):
+            if i:
+                live = [s for s in live if len(s.draft_token_ids) > i]
+                if not live:
+                    break
+                batch = ForwardBatch.build(
+                    [[s.draft_token_ids[i - 1]] for s in live], [s.num_computed_tokens + i for s in live],
+                    [s.block_table for s in live], list(range(len(live))), self.block_size,
+                )
+                for s in live:
+                    fed[s] += 1
+            for s, (tok, b) in zip(live, self._draw(batch)):
+                c = self.calibrated(b)
+                survival[s] *= 1.0 if c is None else c
+                if survival[s] < min_survival:  # not worth verifying: the run ends before this draft
+                    self.cut_drafts += len(s.draft_token_ids) - i
+                    del s.draft_token_ids[i:]
+                    continue
                 s.draft_token_ids[i] = tok
+                buckets[s].append(b)
         for s in seqs:
-            # the cache now holds the sequence's tokens and every draft but the last (never fed)
-            held = s.all_token_ids[: s.num_computed_tokens + 1] + s.draft_token_ids[:-1]
+            # the cache holds the sequence's tokens and the drafts fed (all but the last drawn one)
+            held = s.all_token_ids[: s.num_computed_tokens + 1] + s.draft_token_ids[: fed[s]]
             self._held[s] = (held, list(s.block_table), s.num_preemptions)
+            self._buckets[s] = buckets[s]
         self.seconds += time.perf_counter() - t0
 
-    def _draw(self, batch: ForwardBatch) -> list[int]:
-        logits = self.runner.forward(self.runner.prepare(batch))
-        return logits[:, : self.target_vocab].argmax(dim=-1).tolist()
+    def _draw(self, batch: ForwardBatch) -> list[tuple[int, int]]:
+        """(greedy token, bucket of its probability under the draft model) per logit row."""
+        logits = self.runner.forward(self.runner.prepare(batch))[:, : self.target_vocab]
+        p, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        b = (p * BUCKETS).long().clamp(max=BUCKETS - 1)
+        return list(zip(tok.tolist(), b.tolist()))
 
 
 def check_same_tokenizer(target, draft, draft_source: str) -> None:

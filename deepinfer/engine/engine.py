@@ -460,9 +460,13 @@ class Engine:
         return outputs
 
     def _fill_model_drafts(self, sched) -> None:
-        """Model drafts (speculative="draft") are drawn once their KV slots are scheduled."""
+        """Model drafts (speculative="draft") are drawn once their KV slots are scheduled; a drafter
+        may end a run early once it sees its drafts, and the step then verifies only those."""
         if self.speculator is not None and hasattr(self.speculator.drafter, "fill"):
-            self.speculator.drafter.fill([s.seq for s in sched.scheduled if s.seq.draft_key == DRAFT_KEY])
+            drafting = [s for s in sched.scheduled if s.seq.draft_key == DRAFT_KEY and s.seq.draft_token_ids]
+            self.speculator.drafter.fill([s.seq for s in drafting], self.speculator.min_survival)
+            for s in drafting:
+                s.num_tokens = 1 + len(s.seq.draft_token_ids)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the sequences whose grammar finished compiling; a failed compile finishes its

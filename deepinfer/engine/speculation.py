@@ -143,9 +143,10 @@ def choose_lengths(survival: list[list[float]], base_tokens: int, base_gain: flo
 
 
 def _choose(survival: list[list[float]], base_tokens: int, base_gain: float,
-            cost: ForwardCost, draft_frac: float = 0.0, slot_extra: float = 0.0) -> tuple[list[int], float]:
-    """(lengths, expected seconds saved by them): the time the step's expected tokens would take
-    at the no-draft rate, minus the time the step with the drafts takes."""
+            cost: ForwardCost, draft_frac: float = 0.0, slot_extra: float = 0.0) -> tuple[list[int], float, float]:
+    """(lengths, expected seconds saved by them, the survival of the last slot admitted): saved is
+    the time the step's expected tokens would take at the no-draft rate, minus the time the step
+    with the drafts takes."""
     slots = sorted(((-p, j, i) for i, ps in enumerate(survival) for j, p in enumerate(ps)))
     gain, T = base_gain, base_tokens
     best_rate = gain / cost(T) if T else 0.0
@@ -170,7 +171,7 @@ def _choose(survival: list[list[float]], base_tokens: int, base_gain: float,
     if best_n and base_gain > 0 and base_tokens:
         gain = base_gain - sum(neg_p for neg_p, _, _ in slots[:best_n]) * DISCOUNT
         saved = gain * cost(base_tokens) / base_gain - cost(base_tokens + best_n) - best_extra
-    return lengths, saved
+    return lengths, saved, (-slots[best_n - 1][0] if best_n else 1.0)
 
 
 @dataclass
@@ -190,11 +191,15 @@ class Speculator:
         # the others draft from the sequence's tokens (propose_keyed); chosen once, not per sequence
         self._propose = getattr(drafter, "propose_for", None) or (
             lambda seq, k: drafter.propose_keyed(seq.all_token_ids, k))
+        self._observe_drafts = getattr(drafter, "observe_drafts", None)  # per-draft calibration, if it learns one
         self.cost = cost  # None: verify every proposed draft (no budget)
         self.draft_frac = draft_frac  # cost of a draft pass / a full forward (0: drafts are free)
         self.confidence = DraftConfidence(drafter.max_draft)
         self.slot_extra = 0.0  # seconds a verified draft costs beyond its token's forward cost (EMA)
         self._drafter_s = 0.0  # the self-drafter's pass seconds already accounted for
+        # survival probability of the last slot the latest plan admitted: a model drafter that learns
+        # more once its drafts are drawn cuts runs whose survival falls below it (0: cut nothing)
+        self.min_survival = 0.0
         self.propose_s = 0.0  # host seconds one round of drafting takes (EMA)
         self.saved_s = 0.0  # seconds one round's admitted drafts are expected to save (EMA, zeros incl.)
         self._backoff = 0  # steps drafting pauses for after the next one that does not pay
@@ -230,7 +235,8 @@ class Speculator:
                 p *= c
                 ps.append(p)
             survival.append(ps)
-        lengths, saved = _choose(survival, base_tokens, base_gain, self.cost, self.draft_frac, self.slot_extra)
+        lengths, saved, self.min_survival = _choose(survival, base_tokens, base_gain, self.cost, self.draft_frac,
+                                                    self.slot_extra)
         for (seq, tokens, key), k in zip(drafted, lengths):
             seq.draft_token_ids = tokens[:k]
             seq.draft_key = key
@@ -279,6 +285,8 @@ class Speculator:
     def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
         if seq.draft_key is not None:
             self.confidence.observe(seq.draft_key, verified, accepted)
+            if self._observe_drafts is not None:
+                self._observe_drafts(seq, verified, accepted)
 
     def finished(self, seq: Sequence) -> None:
         """A finished request's output joins the suffix index other requests draft from."""

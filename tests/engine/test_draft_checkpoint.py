@@ -149,3 +149,27 @@ def test_config_and_tokenizer_errors(llama, tmp_path):
     (bad / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(InvalidRequestError, match="tokenizer differs from the target's"):
         Engine(llama, speculative="draft", draft_model=str(bad), **BASE)
+
+
+def test_own_probability_is_calibrated_and_cuts_unlikely_runs(llama):
+    from deepinfer.engine.speculation import ForwardCost
+
+    plain = Engine(llama, **BASE)
+    spec = Engine(llama, speculative="draft", draft_model=llama, **BASE)
+    # flat, and draft passes priced at nothing: the budget admits every likely slot
+    spec.speculator.cost, spec.speculator.draft_frac = ForwardCost([(1, 1.0), (4096, 1.0)]), 0.0
+    drafter = spec.speculator.drafter
+    prompts = random_prompts(4, seed=9)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    _same(plain.generate(prompts, sp), spec.generate(prompts, sp))
+    # the target drafting for itself: every bucket that saw drafts learned they pass
+    seen = [b for b in range(len(drafter.trials)) if drafter.trials[b] >= 5]
+    assert seen and all(drafter.hits[b] / drafter.trials[b] > 0.9 for b in seen)
+    assert all(drafter.calibrated(b) > 0.8 for b in seen)
+    # teach it that nothing it drafts passes: every run is cut after drawing, none is verified
+    n = len(drafter.trials)
+    drafter.trials, drafter.hits = [1000.0] * n, [0.0] * n
+    verified, cut = spec.stats.draft_tokens, drafter.cut_drafts
+    _same(plain.generate(prompts, sp), spec.generate(prompts, sp))
+    assert drafter.cut_drafts > cut and spec.stats.draft_tokens == verified
+    assert_all_blocks_free(spec)
