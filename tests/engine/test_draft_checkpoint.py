@@ -173,3 +173,14 @@ def test_own_probability_is_calibrated_and_cuts_unlikely_runs(llama):
     _same(plain.generate(prompts, sp), spec.generate(prompts, sp))
     assert drafter.cut_drafts > cut and spec.stats.draft_tokens == verified
     assert_all_blocks_free(spec)
+
+
+def test_batch_invariant_mode_is_bitwise(llama, other_draft):
+    plain, spec = _pair(llama, other_draft, batch_invariant=True)
+    prompts = random_prompts(4, seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    a, b = plain.generate(prompts, sp), spec.generate(prompts, sp)
+    _same(a, b)
+    for x, y in zip(a, b):
+        assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
+    assert spec.stats.draft_tokens > 0
