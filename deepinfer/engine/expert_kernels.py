@@ -7,6 +7,10 @@
   [E, 2I, H] / [E, H, I]; the per-expert parameters become views of the stacks (no second copy).
   Compiled at install; a failed compile keeps the per-expert GEMMs (with a warning) under
   kernels="auto" and raises under kernels="tilelang".
+* CPU fp32, the MoE model's other gated MLPs (shared experts, the dense first layers): the same
+  native kernel as a one-expert stack (NativeGatedMlp, installed as GatedMLP.kernel), which beat
+  oneDNN's packed silu_mul + down pair on this AVX2 CPU (its 4 x 24 tile; the shared native GEMM
+  is AVX-512-only here). Dense models keep their MLPs on the linear.
 
 Why (2-core AVX2 EPYC, shared and loaded, so ratios only): the per-expert path (argsort,
 index_select, a oneDNN gate/up and down call per active expert, index_copy) measured 1.2-2.8x slower
