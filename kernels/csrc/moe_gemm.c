@@ -20,8 +20,10 @@
  * Gate/up is k-blocked (KC k steps of a panel pair = 24 KiB stay in L1d while every row tile of the
  * expert uses them) and each weight load is pinned to a register (IN_REGISTERS); panels are
  * prefetched PF_BYTES ahead. Side by side against the unblocked kernel (1 and 2 threads, V3-layer
- * shapes 32 x [2 x 256 x 1024] + [1024 x 256], top-4, under load): about 1.25x at 512 tokens
- * (compute-bound) and up to 1.15x at 32 (weight streaming); the bits are unchanged.
+ * shapes 32 x [2 x 256 x 1024] + [1024 x 256], top-4, best of 9 alternating, machine under load):
+ * 1.23-1.29x at 512 tokens (compute-bound), 1.03-1.10x at 128, 1.10-1.17x at 32 (weight streaming);
+ * the bits are unchanged. (A prefetch of the next k block spread over the row tiles measured 0.8x:
+ * its per-step bookkeeping in the inner loop cost more than the overlap won.)
  *
  * Every output element is one multiply-add chain over k = 0 .. K-1 in order whatever the tile a
  * row lands in and whichever tokens share its expert, and silu * mul is elementwise, so a pair's
