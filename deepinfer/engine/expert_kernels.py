@@ -7,6 +7,10 @@
   [E, 2I, H] / [E, H, I]; the per-expert parameters become views of the stacks (no second copy).
   Compiled at install; a failed compile keeps the per-expert GEMMs (with a warning) under
   kernels="auto" and raises under kernels="tilelang".
+* CPU fp32, the MoE model's other gated MLPs (shared experts, the dense first layers): the same
+  native kernel as a one-expert stack (NativeGatedMlp, installed as GatedMLP.kernel), which beat
+  oneDNN's packed silu_mul + down pair on this AVX2 CPU (its 4 x 24 tile; the shared native GEMM
+  is AVX-512-only here). Dense models keep their MLPs on the linear.
 
 Why (2-core AVX2 EPYC, shared and loaded, so ratios only): the per-expert path (argsort,
 index_select, a oneDNN gate/up and down call per active expert, index_copy) measured 1.2-2.8x slower
@@ -42,6 +46,26 @@ class NativeExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self._packed)
+
+
+class NativeGatedMlp(nn.Module):
+    """One gated MLP (a shared expert, or a dense layer of an MoE model) as a one-expert stack for
+    `moe_gemm.moe_experts`, every row routed to it; callable x [T, H] -> [T, H]. Side by side with
+    the oneDNN pair it replaces (silu_mul + down, packed) on this AVX2 EPYC, under load: 1.5-1.8x at
+    8-32 rows for V3-shaped 1024 x 256 and 1024 x 2048 MLPs, 1.0-1.2x at 512 rows."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        from deepinfer_kernels import moe_gemm
+
+        self._kernel = moe_gemm.moe_experts
+        p = moe_gemm.pack_experts(gate_up.unsqueeze(0).contiguous(), down.unsqueeze(0).contiguous())
+        self.register_buffer("packed_gate_up", p.gate_up, persistent=False)
+        self.register_buffer("packed_down", p.down, persistent=False)
+        self._packed = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, torch.zeros(x.shape[0], 1, dtype=torch.long), self._packed).view(x.shape[0], -1)
 
 
 class TileLangExperts(nn.Module):
@@ -110,7 +134,9 @@ def native_experts_available() -> bool:
 
 def install_native_experts(model: nn.Module) -> int:
     """Pack and install the native expert kernel in every MoeBlock of model (fp32 CPU weights);
-    returns how many blocks now use it (0 where the native kernels do not build)."""
+    returns how many blocks now use it (0 where the native kernels do not build). The model's other
+    gated MLPs (shared experts, dense layers) run on the same kernel as one-expert stacks."""
+    from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
 
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
@@ -123,4 +149,8 @@ def install_native_experts(model: nn.Module) -> int:
         gu, down = b.stacked_expert_weights()
         b.set_expert_kernel(NativeExperts(gu, down))
         n += 1
+    if n:
+        for m in model.modules():
+            if isinstance(m, GatedMLP) and m.gate_up_weight.dtype == torch.float32 and m.gate_up_weight.device.type == "cpu":
+                m.kernel = NativeGatedMlp(m.gate_up_weight.data, m.down_weight.data)
     return n

@@ -96,3 +96,42 @@ def test_a_block_holding_a_subset_of_experts(v3_path, native):
         MoeBlock(full.hidden, full.moe, local_experts=[1, 1])
     with pytest.raises(MoeConfigError, match="local_experts must be distinct expert ids"):
         MoeBlock(full.hidden, full.moe, local_experts=[full.moe.num_experts])
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_shared_and_dense_mlps_run_on_the_native_kernel(v3_path, tokens):
+    from deepinfer.engine.models.layers import GatedMLP
+
+    eng = Engine(str(v3_path), kv_cache_memory=1 << 20)
+    mlps = [m for m in eng.runner.model.modules() if isinstance(m, GatedMLP)]
+    shared = [b.shared for b in _blocks(eng) if b.shared is not None]
+    # the V3 model has dense first layers and shared experts: all of them on the kernel
+    assert shared and len(mlps) > len(shared) and all(m.kernel is not None for m in mlps)
+    # and none packed a second time for the linear
+    packed = set(getattr(eng.runner.linear, "packed", {})) | set(getattr(eng.runner.linear, "packed_gated", {}))
+    assert not packed & {w.data_ptr() for m in mlps for w in (m.gate_up_weight, m.down_weight)}
+    meta = _ctx(eng)
+    x = torch.randn(tokens, mlps[0].down_weight.shape[0], generator=torch.Generator().manual_seed(tokens))
+    for m in (mlps[0], shared[0]):
+        got = m(x, meta)
+        kernel, m.kernel = m.kernel, None
+        try:  # the torch definition (F.linear: the runner's linear has not packed these weights)
+            gu = x @ m.gate_up_weight.t()
+            ref = (torch.nn.functional.silu(gu[:, : m.inter]) * gu[:, m.inter :]) @ m.down_weight.t()
+        finally:
+            m.kernel = kernel
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+        # a row's bits do not depend on the batch it is in
+        assert torch.equal(m(x[-1:], meta)[0], got[-1])
+
+
+@needs_native
+def test_dense_models_keep_their_mlps_on_the_linear(tmp_path):
+    from deepinfer.engine.models.layers import GatedMLP
+    from model_factory import make_tiny_model
+
+    eng = Engine(str(make_tiny_model(tmp_path / "dense", "llama")), kv_cache_memory=1 << 20)
+    mlps = [m for m in eng.runner.model.modules() if isinstance(m, GatedMLP)]
+    assert mlps and all(m.kernel is None for m in mlps)

@@ -101,3 +101,19 @@ def test_bad_inputs_are_named():
         moe_gemm.pack_experts(gu, down[:, :, :20])
     with pytest.raises(KernelInputError, match="gate_up must be a float32 CPU tensor"):
         moe_gemm.pack_experts(gu[0], down)
+
+
+# the gate/up GEMM runs in k blocks of 3072 / panel_width() (128 on AVX2, 64 with AVX-512), each row
+# tile's partial sums parked between blocks: hidden sizes just under, at and past a block boundary
+@pytest.mark.parametrize("blocks", [0.5, 1, 1.01, 2.3])
+def test_k_blocks_keep_a_rows_bits_and_the_reference(blocks):
+    E, I, k = 3, 40, 2
+    H = max(2, int(3072 // moe_gemm.panel_width() * blocks))
+    gu, down = _experts(E, H, I, seed=11)
+    packed = moe_gemm.pack_experts(gu, down)
+    x = torch.randn(23, H, generator=torch.Generator().manual_seed(12))
+    idx = torch.tensor([[0, 1]] * 21 + [[2, 1], [1, 0]])  # expert 2: one row; 0 and 1: 6 row tiles
+    out = moe_gemm.moe_experts(x, idx, packed)
+    torch.testing.assert_close(out, moe_gemm.moe_experts_reference(x, idx, gu, down), atol=5e-5, rtol=1e-4)
+    for t in (0, 21, 22):
+        assert torch.equal(moe_gemm.moe_experts(x[t : t + 1], idx[t : t + 1], packed)[0], out[t])

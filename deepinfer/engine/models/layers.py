@@ -158,8 +158,11 @@ class GatedMLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_weight = nn.Parameter(torch.empty(2 * self.inter, cfg.hidden_size), requires_grad=False)
         self.down_weight = nn.Parameter(torch.empty(cfg.hidden_size, self.inter), requires_grad=False)
+        self.kernel = None  # fn(x) -> the MLP's output, installed at load (expert_kernels.install_native_experts)
 
     def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         if meta.silu_mul is not None:
             h = meta.silu_mul(x, self.gate_up_weight)
         else:
@@ -168,10 +171,10 @@ class GatedMLP(nn.Module):
         return meta.linear(h, self.down_weight, None)
 
     def linear_weights(self) -> list[torch.Tensor]:
-        return [self.down_weight.data]
+        return [self.down_weight.data] if self.kernel is None else []
 
     def gated_weights(self) -> list[torch.Tensor]:
-        return [self.gate_up_weight.data]
+        return [self.gate_up_weight.data] if self.kernel is None else []
 
     def load(self, p: str, take, put) -> None:
         """p: 'model.layers.{i}.mlp.' (or a shared expert's prefix)"""
