@@ -324,9 +324,24 @@ def main() -> None:
               f"{s['fork_on_s']:.2f}s, off {s['fork_off_s']:.2f}s (radix cache on in both) -> ratio "
               f"{s['fork_ratio']:.2f}x")
     if "frontend" in only:
-        f = frontend_overhead_us(n_programs=200, gens_per_program=4)
-        print(f"[frontend] {f['us_per_gen_frontend']:.0f} us per gen call on the FakeEngine "
-              f"({f['us_per_gen_total']:.0f} us incl. the fake engine)")
+        runs = [frontend_overhead_us(n_programs=200, gens_per_program=4) for _ in range(args.reps * 3)]
+        f = {k: sorted(r[k] for r in runs) for k in runs[0]}
+        mid = len(runs) // 2
+        print(f"[frontend] {len(runs)} runs of 200 programs x 4 gens on the FakeEngine, us per gen call, best / "
+              f"median: frontend wall {f['us_per_gen_frontend'][0]:.0f} / {f['us_per_gen_frontend'][mid]:.0f} "
+              f"(CPU {f['cpu_us_per_gen_frontend'][0]:.0f} / {f['cpu_us_per_gen_frontend'][mid]:.0f}), of which the "
+              f"fake tokenizer {f['us_per_gen_tokenizer'][0]:.0f} / {f['us_per_gen_tokenizer'][mid]:.0f}; "
+              f"incl. the fake engine {f['us_per_gen_total'][0]:.0f} / {f['us_per_gen_total'][mid]:.0f}")
+        from deepinfer.lang.bench import encode_cost_us
+        from deepinfer.lang.testing import FakeTokenizer
+
+        toks = [("fake", FakeTokenizer())]
+        if only & {"batch", "sharing", "compiler"}:
+            toks.append(("model", on.tokenizer))
+        for label, tok in toks:
+            e = encode_cost_us(tok)
+            print(f"[encode] {label} tokenizer, a chat gen's pending text: whole string {e['whole']:.1f} us, "
+                  f"SegmentEncoder {e['pieces']:.1f} us ({e['whole'] / e['pieces']:.2f}x, {e['markers']:.0f} markers)")
     if "compiler" in only:
         names = {"a": f"3-stage x {args.records} records", "b": f"fork(4) tree step x {args.questions}",
                  "c": f"{args.schemas} distinct JSON schemas"}

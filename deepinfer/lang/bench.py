@@ -162,3 +162,33 @@ def prefix_sharing_comparison(engine: Any, questions: list[str], system_prompt: 
 
 if __name__ == "__main__":
     print(frontend_overhead_us())
+
+
+def encode_cost_us(tokenizer: Any, n_programs: int = 200, turns: int = 4, rounds: int = 5) -> dict[str, float]:
+    """Microseconds per pending-text encode of a chat program's gens, the tokenizer called on the
+    whole string vs through the backend's SegmentEncoder (token_cache.py), alternated `rounds`
+    times on the same strings (best of each); both give the same ids (checked)."""
+    from deepinfer.lang.chat_template import analyze_chat_template
+    from deepinfer.lang.token_cache import SegmentEncoder
+
+    fmt = analyze_chat_template(tokenizer)
+    markup = [*fmt.start.values(), *fmt.prefix.values(), *fmt.suffix.values()]
+    texts = []
+    for i in range(n_programs):
+        for t in range(turns):
+            head = fmt.start["system"] + fmt.prefix["system"] + "You are a helpful assistant." + fmt.suffix["system"] \
+                if t == 0 else fmt.suffix["assistant"]
+            texts.append(head + fmt.prefix["user"] + f"Question {i}.{t}: what is the answer?" + fmt.suffix["user"]
+                         + fmt.prefix["assistant"])
+    best = {"whole": float("inf"), "pieces": float("inf")}
+    for _ in range(rounds):
+        t = time.thread_time()
+        whole = [tokenizer.encode(x, add_special_tokens=False) for x in texts]
+        best["whole"] = min(best["whole"], time.thread_time() - t)
+        enc = SegmentEncoder(tokenizer, markup)  # a fresh cache each round (its probes included)
+        t = time.thread_time()
+        pieces = [enc.encode(x) for x in texts]
+        best["pieces"] = min(best["pieces"], time.thread_time() - t)
+        if pieces != [list(w) for w in whole]:
+            raise RuntimeError("SegmentEncoder ids differ from the whole-string encode")
+    return {k: v / len(texts) * 1e6 for k, v in best.items()} | {"markers": float(len(enc.markers))}
