@@ -34,3 +34,11 @@ def test_prefix_sharing_comparison_on_fake_engine():
     # the fake engine's cache persists between the two runs, so compare the first (shared) run only
     assert r["share_prefix"]["cached_tokens"] >= 12 * 16
     assert r["share_prefix"]["prompt_tokens"] == r["no_share"]["prompt_tokens"]
+
+
+def test_encode_cost_compares_on_equal_ids():
+    from deepinfer.lang.bench import encode_cost_us
+    from deepinfer.lang.testing import FakeTokenizer
+
+    e = encode_cost_us(FakeTokenizer(), n_programs=5, turns=2, rounds=1)
+    assert e["whole"] > 0 and e["pieces"] > 0 and e["markers"] == 2
