@@ -248,7 +248,7 @@ def timed_batch(prog, batch, engine, compile_: bool, **kw) -> tuple[float, float
 
 
 def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens: int, parts: str = "abc",
-                   rounds: int = 2, report=None) -> dict:
+                   rounds: int = 2, report=None, compiled_first: bool = False) -> dict:
     """Compiled vs interpreted for each workload in `parts` (in that order); `report(key, res)` is
     called as each workload finishes (a full-size workload takes minutes on this CPU)."""
     res = {}
@@ -264,8 +264,8 @@ def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens:
             prog, batch, kw = workloads[key]
             prog.run_batch(batch[:2], backend=engine, **kw)  # warm-up (and the shared schema's compile)
             # alternate the modes and keep each one's best: the machine is shared and noisy
-            for _ in range(rounds):
-                for compile_ in (False, True):
+            for r in range(rounds):  # alternate which mode goes first (--compiled-first flips it)
+                for compile_ in ((False, True) if (r + compiled_first) % 2 == 0 else (True, False)):
                     name = f"{key}_{'compiled' if compile_ else 'interp'}"
                     got = timed_batch(prog, batch, engine, compile_, **kw)
                     res[name] = tuple(map(min, zip(res[name], got))) if name in res else got
@@ -273,7 +273,7 @@ def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens:
             # the grammar compiler's one-time set-up (the vocabulary) first, so neither mode pays it
             schema_prog.run_batch([{"i": 0, "schema": distinct_schemas(1, "warm")[0], "tokens": 4}], backend=engine)
             for r in range(rounds):  # alternate which mode goes first; fresh schemas every run
-                for compile_ in ((False, True) if r % 2 == 0 else (True, False)):
+                for compile_ in ((False, True) if (r + compiled_first) % 2 == 0 else (True, False)):
                     tag = f"{'c' if compile_ else 'i'}{r}"
                     batch = [{"i": i, "schema": sc, "tokens": 24}
                              for i, sc in enumerate(distinct_schemas(n_schemas, tag))]
@@ -299,6 +299,7 @@ def main() -> None:
     ap.add_argument("--only", default="batch,sharing,frontend,compiler", help="comma-separated sections to run")
     ap.add_argument("--parts", default="abc", help="which compiler workloads (a, b, c) to run, in that order")
     ap.add_argument("--rounds", type=int, default=2, help="interpreted / compiled pairs per compiler workload")
+    ap.add_argument("--compiled-first", action="store_true", help="start each workload's pairs with the compiled run")
     args = ap.parse_args()
     only = set(args.only.split(","))
 
@@ -351,7 +352,8 @@ def main() -> None:
             print(f"[compiler {key}] {names[key]}: interpreted {iw:.2f}s (first token {it:.2f}s), compiled {cw:.2f}s "
                   f"(first token {ct:.2f}s) -> wall {iw / cw:.2f}x, first output {it / ct:.2f}x sooner", flush=True)
 
-        bench_compiler(on, args.records, args.questions, args.schemas, args.tokens, args.parts, args.rounds, report)
+        bench_compiler(on, args.records, args.questions, args.schemas, args.tokens, args.parts, args.rounds, report,
+                       args.compiled_first)
 
 if __name__ == "__main__":
     main()
