@@ -14,6 +14,7 @@ from typing import Any, Iterable
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.lang.chat_template import RoleFormat, analyze_chat_template
+from deepinfer.lang.token_cache import SegmentEncoder
 
 
 def constraint_key(p: Any) -> tuple:
@@ -30,6 +31,7 @@ class EngineBackend:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._role_format: RoleFormat | None = None
+        self._encoder: SegmentEncoder | None = None
         self._compiles: dict[tuple, Any] = {}  # constraint key -> Future of its precompile
         self._params: dict[tuple, SamplingParams] = {}  # make_params cache
         self._compiles_lock = threading.Lock()
@@ -49,7 +51,17 @@ class EngineBackend:
         return self._role_format
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """tokenizer.encode(text, add_special_tokens=False), with the pieces every program shares
+        (chat markup, fixed text) encoded once (token_cache.py)."""
+        enc = self._encoder
+        if enc is None:
+            try:
+                fmt = self.role_format
+                markup = [*fmt.start.values(), *fmt.prefix.values(), *fmt.suffix.values()]
+            except Exception:  # no usable chat template: roles fail on their own; no markers here
+                markup = []
+            enc = self._encoder = SegmentEncoder(self.tokenizer, markup)
+        return enc.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids))

@@ -113,6 +113,21 @@ class ProgramState:
                 self._exec(leaf)
 
     def _exec(self, leaf: Expr) -> None:
+        kind = type(leaf)  # identity tests on the exact type; subclasses take the isinstance route
+        if kind is Text:
+            self._append_text(leaf.text)
+        elif kind is RoleBegin:
+            self._role_begin(leaf.role)
+        elif kind is RoleEnd:
+            self._role_end(leaf.role)
+        elif kind is Gen:
+            self._start_gen(leaf)
+        elif kind is Select:
+            self._start_select(leaf)
+        else:
+            self._exec_subclass(leaf)
+
+    def _exec_subclass(self, leaf: Expr) -> None:
         if isinstance(leaf, Text):
             self._append_text(leaf.text)
         elif isinstance(leaf, Gen):

@@ -61,6 +61,7 @@ class FakeTokenizer:
         for s in SPECIAL_TOKENS:
             self.special_ids[s] = len(self._id_to_bytes)
             self._id_to_bytes.append(s.encode())
+        self.special_token_ids: set[int] = set(self.special_ids.values())  # as the engine's Tokenizer
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
         self.vocab_size = len(self._id_to_bytes)
         self.bos_token = "<|endoftext|>"

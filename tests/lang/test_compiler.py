@@ -131,6 +131,40 @@ def test_varying_arguments_and_static_prefix():
     assert repr(static_prefix(g, {"doc", "n_words"})) == repr(leaves)  # n_words is only read after the break
 
 
+def _bound_varying(func, jobs):
+    """varying_arguments through inspect's bind only (the fast keyword path disabled)."""
+    import deepinfer.lang.compiler as comp
+
+    fast = comp._varying_keywords
+    comp._varying_keywords = lambda *a: None
+    try:
+        return varying_arguments(func, jobs)
+    finally:
+        comp._varying_keywords = fast
+
+
+def test_varying_arguments_keyword_fast_path_equals_binding():
+    import random
+
+    rng = random.Random(7)
+
+    def prog(s, a, b=1, c="x"):
+        pass
+
+    values = {"a": [0, 0.0, 1, "1", None], "b": [1, 1, 2, True], "c": ["x", "x", "y"]}
+    for _ in range(300):
+        jobs = []
+        for _ in range(rng.randint(1, 5)):
+            kw = {k: rng.choice(v) for k, v in values.items() if rng.random() < 0.8}
+            if rng.random() < 0.1:
+                kw["unknown"] = 1  # not a parameter: the fast path hands back to bind
+            jobs.append(((), kw))
+        assert varying_arguments(prog, jobs) == _bound_varying(prog, jobs), jobs
+    # positional jobs and **kwargs programs take the binding path
+    assert varying_arguments(prog, [((1,), {}), ((2,), {})]) == {"a"}
+    assert varying_arguments(three_stage.func, [((), {"doc": "x"}), ((), {"doc": "x", "n_words": 4})]) == {"n_words"}
+
+
 def test_compiled_batch_prefills_static_prefix_once_and_matches_interpreted():
     docs = [f"Person {i} lives in Paris, France, since {1990 + i}." for i in range(6)]
     results = {}
@@ -261,3 +295,11 @@ def test_planned_prefix_is_pinned_while_the_batch_runs():
     events.clear()
     three_stage.run_batch([{"doc": d} for d in docs], backend=PinningEngine(), temperature=0.0, compile=False)
     assert events == []
+
+
+def test_bad_first_job_fails_alone_in_a_compiled_batch():
+    """An unknown argument in the batch's first job is that program's error (planning used to raise)."""
+    jobs = [{"doc": "x", "colour": "red"}] + [{"doc": f"Person {i} lives in Paris."} for i in range(3)]
+    states = three_stage.run_batch(jobs, backend=FakeEngine(), temperature=0.0)
+    assert not states[0].ok and isinstance(states[0].error(), TypeError)
+    assert all(st.ok for st in states[1:]), [st.error() for st in states[1:]]
