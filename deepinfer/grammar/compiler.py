@@ -23,6 +23,7 @@ from deepinfer.grammar.emptiness import regex_is_empty
 from deepinfer.grammar.exactness import check_spec, diagnostics_keywords, schema_of, table_approximated
 from deepinfer.grammar.formats import lower_formats
 from deepinfer.grammar.lowering import lower_schema
+from deepinfer.grammar.patterns import lower_patterns
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
@@ -210,12 +211,13 @@ class GrammarCompiler:
                 self.stats["invalid_specs"] += 1
             raise
         schema = schema_of(spec)
-        # what the backends compile: exact rewrites (lowering.py) and formats lowered to exact
-        # patterns (formats.py); property order is kept (the backends generate in that order)
+        # what the backends compile: exact rewrites (lowering.py), formats lowered to exact
+        # patterns (formats.py) and patterns that take their length bounds (patterns.py);
+        # property order is kept (the backends generate in that order)
         target = spec
         if schema is not None and spec.kind == "json_schema":
             try:
-                lowered = lower_formats(lower_schema(schema))
+                lowered = lower_patterns(lower_formats(lower_schema(schema)))
             except InvalidSpecError:
                 with self._lock:
                     self.stats["failures"] += 1
