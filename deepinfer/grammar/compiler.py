@@ -20,7 +20,13 @@ from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
 from deepinfer.grammar.bitmask import allocate_token_bitmask
 from deepinfer.grammar.emptiness import regex_is_empty
-from deepinfer.grammar.exactness import check_spec, diagnostics_keywords, schema_of, table_approximated
+from deepinfer.grammar.exactness import (
+    check_spec,
+    diagnostics_keywords,
+    schema_of,
+    strict_narrowing,
+    table_approximated,
+)
 from deepinfer.grammar.formats import lower_formats
 from deepinfer.grammar.lowering import lower_schema
 from deepinfer.grammar.patterns import lower_patterns
@@ -239,6 +245,8 @@ class GrammarCompiler:
                 compiled = self._limited(be, target)
                 compiled.spec = spec  # the user's spec: validation at finish checks against it
                 compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
+                if compiled.strict and schema is not None and spec.kind == "json_schema":
+                    compiled.narrowed = tuple(strict_narrowing(schema))
                 check_nonempty(compiled, self.vocab.vocab_size)
             except InvalidSpecError:
                 with self._lock:

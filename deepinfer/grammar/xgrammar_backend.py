@@ -272,9 +272,10 @@ class XGrammarBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
         warnings: list[str] = []
+        mode: dict[str, bool] = {}
         try:
             with captured_warnings(warnings):
-                cg = self._compile(spec, warnings)
+                cg = self._compile(spec, warnings, mode)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a parser message
@@ -283,7 +284,9 @@ class XGrammarBackend(GrammarBackend):
             msg = msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
             raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (xgrammar): {msg}") from e
         ws = self.ws_tables() if spec.kind in ("json_schema", "json_object") else None
-        return XGrammarCompiled(spec, cg, list(dict.fromkeys(warnings)), self.first_byte, ws)
+        out = XGrammarCompiled(spec, cg, list(dict.fromkeys(warnings)), self.first_byte, ws)
+        out.strict = mode.get("strict", False)
+        return out
 
     def ws_tables(self) -> WhitespaceTables:
         """The whitespace bound's tables for this vocabulary (made once; a race makes two, harmlessly)."""
@@ -291,9 +294,9 @@ class XGrammarBackend(GrammarBackend):
             self._ws_tables = WhitespaceTables(self._vocab.token_bytes, (self._vocab.vocab_size + 31) // 32)
         return self._ws_tables
 
-    def _compile(self, spec: GrammarSpec, warnings: list[str]) -> xgr.CompiledGrammar:
+    def _compile(self, spec: GrammarSpec, warnings: list[str], mode: dict[str, bool]) -> xgr.CompiledGrammar:
         if spec.kind in ("json_schema", "json_object"):
-            return self._compile_schema(spec, warnings)
+            return self._compile_schema(spec, warnings, mode)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.text)
         if spec.kind == "ebnf":
@@ -302,7 +305,7 @@ class XGrammarBackend(GrammarBackend):
             return self._compiler.compile_grammar(choices_ebnf(json.loads(spec.text)))
         raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")  # new kinds
 
-    def _compile_schema(self, spec: GrammarSpec, warnings: list[str]) -> xgr.CompiledGrammar:
+    def _compile_schema(self, spec: GrammarSpec, warnings: list[str], mode: dict[str, bool]) -> xgr.CompiledGrammar:
         text = spec.text
         dropped: list[str] = []
         if "roperties" in text and "false" in text:
@@ -324,4 +327,5 @@ class XGrammarBackend(GrammarBackend):
         loose = sorted({k for k, explicit in dropped if explicit or not strict})
         if loose:  # these forbidden keys became ordinary additional properties
             warnings.append(f"false property schemas not enforced (keys allowed): {loose}")
+        mode["strict"] = strict
         return cg
