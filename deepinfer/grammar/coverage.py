@@ -176,11 +176,16 @@ def declared_order(value: Any, schema: Any, root: Any = None, depth: int = 0) ->
                 for b in schema.get(k) or []:
                     if isinstance(b, dict) and isinstance(b.get("properties"), dict) and set(value) <= set(b["properties"]):
                         return declared_order(value, b, root, depth + 1)
-            return value, False
-        extra = any(k not in props for k in value) and "additionalProperties" not in schema
+            if schema.get("type") != "object" and "additionalProperties" not in schema:
+                return value, False
+            props = {}  # an object schema declaring no properties
+        pats = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+        extra_schema = schema.get("additionalProperties")
+        extra = "additionalProperties" not in schema and any(k not in props and not pats for k in value)
         out = {}
         for k in [k for k in props if k in value] + [k for k in value if k not in props]:
-            out[k], e = declared_order(value[k], props.get(k, {}), root, depth + 1)
+            sub = props.get(k, extra_schema if isinstance(extra_schema, dict) else {})
+            out[k], e = declared_order(value[k], sub, root, depth + 1)
             extra |= e
         return out, extra
     if isinstance(value, list):
