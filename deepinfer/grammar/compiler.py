@@ -29,6 +29,7 @@ from deepinfer.grammar.exactness import (
 )
 from deepinfer.grammar.formats import lower_formats
 from deepinfer.grammar.lowering import lower_schema
+from deepinfer.grammar.orders import any_order
 from deepinfer.grammar.patterns import lower_patterns
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
@@ -218,12 +219,12 @@ class GrammarCompiler:
             raise
         schema = schema_of(spec)
         # what the backends compile: exact rewrites (lowering.py), formats lowered to exact
-        # patterns (formats.py) and patterns that take their length bounds (patterns.py);
-        # property order is kept (the backends generate in that order)
+        # patterns (formats.py), patterns that take their length bounds (patterns.py) and small
+        # objects in any key order (orders.py; larger ones keep the declared order)
         target = spec
         if schema is not None and spec.kind == "json_schema":
             try:
-                lowered = lower_patterns(lower_formats(lower_schema(schema)))
+                lowered = any_order(lower_patterns(lower_formats(lower_schema(schema))))
             except InvalidSpecError:
                 with self._lock:
                     self.stats["failures"] += 1
