@@ -207,7 +207,7 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
             grammar_backend=seq.grammar_backend,
-            grammar_approximated=list(seq.grammar.approximated) if seq.grammar is not None else [],
+            grammar_approximated=[*seq.grammar.approximated, *seq.grammar.narrowed] if seq.grammar is not None else [],
             valid=seq.valid,
             violation=seq.violation,
             num_draft_tokens=seq.num_draft_tokens,

@@ -39,7 +39,9 @@ class RequestOutput:
     grammar_backend: str | None = None
     num_draft_tokens: int = 0  # speculative decoding: draft tokens the model verified
     num_accepted_draft_tokens: int = 0  # of those, accepted (each saved one decode step)
-    #: JSON-schema keywords the grammar only approximated (empty when it is exact)
+    #: JSON-schema keywords the grammar only approximated (empty when it is exact), then the
+    #: deliberate narrowings of strict mode, marked "(strict)" (e.g. "additionalProperties (strict)":
+    #: undeclared keys refused; the output is still always valid)
     grammar_approximated: list[str] = field(default_factory=list)
     #: a finished JSON-schema output: True / False (see `violation`) / None (not checked)
     valid: bool | None = None

@@ -62,12 +62,18 @@ class CompiledGrammar(ABC):
     `warnings`: the backend's own diagnostics from compiling it. `approximated`: the schema
     keywords it does not enforce exactly (set by GrammarCompiler from the backend's keyword table
     and warnings, see deepinfer.grammar.exactness); empty when every accepted output is valid.
+    `strict`: the backend compiled the schema in strict mode (undeclared properties and extra
+    tuple items forbidden); `narrowed` then names what that narrowing touches, e.g.
+    "additionalProperties (strict)": every accepted output is still valid (it does not make the
+    grammar inexact), but some valid documents are refused.
     """
 
     spec: GrammarSpec
     backend_name: str
     warnings: list[str] = []
     approximated: tuple[str, ...] = ()
+    strict: bool = False
+    narrowed: tuple[str, ...] = ()
 
     @property
     def exact(self) -> bool:

@@ -20,9 +20,17 @@ from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
 from deepinfer.grammar.bitmask import allocate_token_bitmask
 from deepinfer.grammar.emptiness import regex_is_empty
-from deepinfer.grammar.exactness import check_spec, diagnostics_keywords, schema_of, table_approximated
+from deepinfer.grammar.exactness import (
+    check_spec,
+    diagnostics_keywords,
+    schema_of,
+    strict_narrowing,
+    table_approximated,
+)
 from deepinfer.grammar.formats import lower_formats
 from deepinfer.grammar.lowering import lower_schema
+from deepinfer.grammar.orders import any_order
+from deepinfer.grammar.patterns import lower_patterns
 from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
@@ -210,12 +218,13 @@ class GrammarCompiler:
                 self.stats["invalid_specs"] += 1
             raise
         schema = schema_of(spec)
-        # what the backends compile: exact rewrites (lowering.py) and formats lowered to exact
-        # patterns (formats.py); property order is kept (the backends generate in that order)
+        # what the backends compile: exact rewrites (lowering.py), formats lowered to exact
+        # patterns (formats.py), patterns that take their length bounds (patterns.py) and small
+        # objects in any key order (orders.py; larger ones keep the declared order)
         target = spec
         if schema is not None and spec.kind == "json_schema":
             try:
-                lowered = lower_formats(lower_schema(schema))
+                lowered = any_order(lower_patterns(lower_formats(lower_schema(schema))))
             except InvalidSpecError:
                 with self._lock:
                     self.stats["failures"] += 1
@@ -237,6 +246,8 @@ class GrammarCompiler:
                 compiled = self._limited(be, target)
                 compiled.spec = spec  # the user's spec: validation at finish checks against it
                 compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
+                if compiled.strict and schema is not None and spec.kind == "json_schema":
+                    compiled.narrowed = tuple(strict_narrowing(schema))
                 check_nonempty(compiled, self.vocab.vocab_size)
             except InvalidSpecError:
                 with self._lock:

@@ -131,6 +131,23 @@ def table_approximated(backend: str, schema: Any) -> list[str]:
     return sorted({k for k in used if k not in exact} | _context_approximated(backend, schema))
 
 
+def strict_narrowing(schema: Any) -> list[str]:
+    """What strict mode narrows in schema (sorted): "additionalProperties (strict)" when an object
+    subschema leaves additionalProperties unset (undeclared keys are then refused, JSON Schema
+    allows them), "items (strict)" when a tuple (prefixItems, or items as a list) leaves the
+    items after it unset. Not approximations: every accepted document still validates."""
+    out: set[str] = set()
+    for s in subschemas(schema):
+        if (s.get("type") == "object" or isinstance(s.get("properties"), dict)) and \
+                "additionalProperties" not in s and "unevaluatedProperties" not in s:
+            out.add("additionalProperties (strict)")
+        tuple_form = isinstance(s.get("prefixItems"), list) and "items" not in s
+        draft4_tuple = isinstance(s.get("items"), list) and "additionalItems" not in s
+        if (tuple_form or draft4_tuple) and "unevaluatedItems" not in s:
+            out.add("items (strict)")
+    return sorted(out)
+
+
 _DIAGNOSTIC_KEYWORDS = (
     (re.compile(r"\boneOf\b"), ("oneOf",)),
     (re.compile(r"\ballOf\b"), ("allOf",)),

@@ -268,4 +268,6 @@ class OutlinesBackend(GrammarBackend):
                 # the vocabulary spells every printable byte, so no path to the end = empty language
                 raise InvalidSpecError(f"{spec.kind} spec admits no output (its language is empty; outlines)") from e
             raise GrammarError(f"invalid regex (outlines): {e}") from e
-        return OutlinesCompiled(spec, index, self, regex)
+        out = OutlinesCompiled(spec, index, self, regex)
+        out.strict = spec.kind == "json_schema"  # its schema regexes admit declared properties only
+        return out

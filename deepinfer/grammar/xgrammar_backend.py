@@ -19,12 +19,14 @@ from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, CompiledGrammar, G
 from deepinfer.grammar.bitmask import allocate_token_bitmask
 from deepinfer.grammar.spec import GrammarSpec
 from deepinfer.grammar.vocab import VOCAB_BYTE_FALLBACK, VOCAB_BYTE_LEVEL, TokenizerVocab
+from deepinfer.grammar.ws_guard import MAX_JSON_WHITESPACE, WhitespaceGuard, WhitespaceTables
 
 _VOCAB_TYPES = {VOCAB_BYTE_LEVEL: xgr.VocabType.BYTE_LEVEL, VOCAB_BYTE_FALLBACK: xgr.VocabType.BYTE_FALLBACK}
 
-# Whitespace between JSON elements is free (any JSON whitespace) but bounded, so a sampled
-# model cannot spin on newlines forever; 16 still fits indented output.
-MAX_JSON_WHITESPACE = 16
+# Whitespace between JSON elements is free (any JSON whitespace) but bounded to
+# MAX_JSON_WHITESPACE bytes per gap, so a sampled model cannot spin on newlines forever. The bound
+# is kept by ws_guard.py around the matcher, not by xgrammar's max_whitespace_cnt: that count made
+# its mask fills 3-4x slower (p99 229 -> 58 us per fill without it, JSONSchemaBench subsets).
 _PROBLEM = {"regex": "invalid regex", "json_schema": "invalid JSON schema", "json_object": "invalid JSON schema",
             "ebnf": "invalid EBNF", "choices": "invalid choices"}
 
@@ -151,19 +153,39 @@ def _complete_utf8(out: bytes) -> str:
 
 
 class XGrammarMatcher(GrammarMatcher):
-    """Thin wrapper over xgrammar.GrammarMatcher."""
+    """Thin wrapper over xgrammar.GrammarMatcher (plus the whitespace bound of JSON grammars)."""
 
     supports_rollback = True
 
-    def __init__(self, compiled: xgr.CompiledGrammar, first_byte: np.ndarray | None = None):
+    def __init__(self, compiled: xgr.CompiledGrammar, first_byte: np.ndarray | None = None,
+                 ws_tables: WhitespaceTables | None = None):
         self._m = xgr.GrammarMatcher(compiled)
         self._first_byte = first_byte
+        self._ws = WhitespaceGuard(ws_tables) if ws_tables is not None else None
+        self._n_tokens = len(ws_tables.token_bytes) if ws_tables is not None else 0
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self._m.accept_token(int(token_id)))
+        t = int(token_id)
+        ws = self._ws
+        if ws is None:
+            return bool(self._m.accept_token(t))
+        if ws.over(t) and self._ws_refuses(t):
+            return False
+        if not self._m.accept_token(t):
+            return False
+        ws.push(t)
+        return True
+
+    def _ws_refuses(self, t: int) -> bool:
+        """Whether the mask (with the whitespace bound) leaves t out: the same rule fill_bitmask applies."""
+        mask = allocate_token_bitmask(1, self._n_tokens)
+        self.fill_bitmask(mask, 0)
+        return not (int(mask[0, t // 32]) >> (t % 32)) & 1
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+        if self._ws is not None and not self._ws.restrict(bitmask, row):
+            self._m.fill_next_token_bitmask(bitmask, row)  # never an empty row: drop the bound
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
@@ -199,23 +221,28 @@ class XGrammarMatcher(GrammarMatcher):
 
     def rollback(self, n: int) -> None:
         self._m.rollback(int(n))
+        if self._ws is not None:
+            self._ws.pop(int(n))
 
     def reset(self) -> None:
         self._m.reset()
+        if self._ws is not None:
+            self._ws.reset()
 
 
 class XGrammarCompiled(CompiledGrammar):
     backend_name = "xgrammar"
 
     def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar, warnings: list[str],
-                 first_byte: np.ndarray | None = None):
+                 first_byte: np.ndarray | None = None, ws_tables: WhitespaceTables | None = None):
         self.spec = spec
         self.compiled = compiled
         self.warnings = warnings
         self.first_byte = first_byte
+        self.ws_tables = ws_tables  # JSON grammars: the whitespace bound's tables
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.compiled, self.first_byte)
+        return XGrammarMatcher(self.compiled, self.first_byte, self.ws_tables)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -231,6 +258,8 @@ class XGrammarBackend(GrammarBackend):
         properties are rejected. json_object mode is never strict (it means any object)."""
         self.strict_json = strict_json
         self.first_byte = first_byte_table(vocab.token_bytes)
+        self._vocab = vocab
+        self._ws_tables: WhitespaceTables | None = None  # made at the first JSON spec
         info = xgr.TokenizerInfo(
             vocab.encoded,
             _VOCAB_TYPES.get(vocab.vocab_type, xgr.VocabType.RAW),
@@ -243,9 +272,10 @@ class XGrammarBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> XGrammarCompiled:
         warnings: list[str] = []
+        mode: dict[str, bool] = {}
         try:
             with captured_warnings(warnings):
-                cg = self._compile(spec, warnings)
+                cg = self._compile(spec, warnings, mode)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a parser message
@@ -253,11 +283,20 @@ class XGrammarBackend(GrammarBackend):
             # drop xgrammar's "[time] file.cc:line: " prefix, keep the parser's message
             msg = msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
             raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (xgrammar): {msg}") from e
-        return XGrammarCompiled(spec, cg, list(dict.fromkeys(warnings)), self.first_byte)
+        ws = self.ws_tables() if spec.kind in ("json_schema", "json_object") else None
+        out = XGrammarCompiled(spec, cg, list(dict.fromkeys(warnings)), self.first_byte, ws)
+        out.strict = mode.get("strict", False)
+        return out
 
-    def _compile(self, spec: GrammarSpec, warnings: list[str]) -> xgr.CompiledGrammar:
+    def ws_tables(self) -> WhitespaceTables:
+        """The whitespace bound's tables for this vocabulary (made once; a race makes two, harmlessly)."""
+        if self._ws_tables is None:
+            self._ws_tables = WhitespaceTables(self._vocab.token_bytes, (self._vocab.vocab_size + 31) // 32)
+        return self._ws_tables
+
+    def _compile(self, spec: GrammarSpec, warnings: list[str], mode: dict[str, bool]) -> xgr.CompiledGrammar:
         if spec.kind in ("json_schema", "json_object"):
-            return self._compile_schema(spec, warnings)
+            return self._compile_schema(spec, warnings, mode)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.text)
         if spec.kind == "ebnf":
@@ -266,7 +305,7 @@ class XGrammarBackend(GrammarBackend):
             return self._compiler.compile_grammar(choices_ebnf(json.loads(spec.text)))
         raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")  # new kinds
 
-    def _compile_schema(self, spec: GrammarSpec, warnings: list[str]) -> xgr.CompiledGrammar:
+    def _compile_schema(self, spec: GrammarSpec, warnings: list[str], mode: dict[str, bool]) -> xgr.CompiledGrammar:
         text = spec.text
         dropped: list[str] = []
         if "roperties" in text and "false" in text:
@@ -274,7 +313,7 @@ class XGrammarBackend(GrammarBackend):
         strict = self.strict_json and spec.kind == "json_schema"
         try:
             cg = self._compiler.compile_json_schema(
-                text, any_whitespace=True, strict_mode=strict, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                text, any_whitespace=True, strict_mode=strict, max_whitespace_cnt=None
             )
         except Exception:
             if not strict:
@@ -283,9 +322,10 @@ class XGrammarBackend(GrammarBackend):
             # properties): such a schema needs its undeclared properties, so compile it non-strict
             strict = False
             cg = self._compiler.compile_json_schema(
-                text, any_whitespace=True, strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                text, any_whitespace=True, strict_mode=False, max_whitespace_cnt=None
             )
         loose = sorted({k for k, explicit in dropped if explicit or not strict})
         if loose:  # these forbidden keys became ordinary additional properties
             warnings.append(f"false property schemas not enforced (keys allowed): {loose}")
+        mode["strict"] = strict
         return cg

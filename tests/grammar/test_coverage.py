@@ -70,3 +70,27 @@ def test_acceptance_measure_discriminates(compiler):
     assert text_accepted(compiled, enc("[1, 2, 3]"))
     assert not text_accepted(compiled, enc("[1, 2"))  # every token fine, but cannot terminate
     assert not text_accepted(compiled, enc('[1, "2"]'))
+
+
+def test_rejections_are_classified_by_cause(smol):
+    from deepinfer.grammar import GrammarCompiler
+    from deepinfer.grammar.coverage import declared_order, measure_records
+
+    tok, stops = smol
+    # four properties: more than orders.py spells out in every order, so the declared order holds
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                               "c": {"type": "null"}, "d": {"type": "null"}}}
+    assert declared_order({"b": "x", "a": 1}, schema) == ({"a": 1, "b": "x"}, False)
+    assert declared_order({"a": 1, "z": 2}, schema)[1] is True
+    recs = [{"schema": schema, "tests": [
+        {"data": {"a": 1, "b": "x"}, "valid": True},
+        {"data": {"b": "x", "a": 1}, "valid": True},   # property order
+        {"data": {"a": 1, "z": 2}, "valid": True},     # an undeclared key: strict mode refuses it
+        {"data": {"a": "no"}, "valid": False},
+    ]}]
+    strict = measure_records(GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False), recs)
+    assert strict.valid_accepted == 1 and strict.narrowed == 1
+    assert strict.rejected_by == {"order": 1, "strict": 1}
+    lenient = measure_records(GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False, strict_json=False), recs)
+    assert lenient.valid_accepted == 2 and lenient.narrowed == 0 and lenient.rejected_by == {"order": 1}
+    assert strict.invalid_rejected == lenient.invalid_rejected == 1

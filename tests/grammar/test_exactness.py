@@ -191,10 +191,11 @@ def test_legitimate_unsatisfiable_subschemas_still_compile(compilers):
 def test_fallback_picks_the_most_exact_backend(smol):
     tok, stops = smol
     c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
-    schema = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}
+    # (a one-atom pattern such as ^[a-z]+$ takes its length bounds itself, patterns.py)
+    schema = {"type": "string", "pattern": "^[a-z]+@[a-z]+$", "maxLength": 5}
     compiled, served = c.compile(spec_from_params(json_schema=schema))
     assert served == "llguidance" and compiled.exact
-    assert not accepts(c, compiled, "abcd") and accepts(c, compiled, "abc")
+    assert not accepts(c, compiled, "abc@de") and accepts(c, compiled, "ab@cd")
     # outlines first: it ignores integer bounds (5..9 became 100000), so an exact backend serves
     c2 = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="outlines")
     compiled, served = c2.compile(spec_from_params(json_schema={"type": "integer", "minimum": 5, "maximum": 9}))
@@ -225,3 +226,26 @@ def test_check_output_validates_approximated_and_incomplete_outputs(compilers):
     regex, _ = c.compile(spec_from_params(regex="a+"))
     assert check_output(regex, regex.new_matcher(), "aa", "stop") == (None, None)
     assert check_output(approx, approx.new_matcher(), "[1, 1]", "error") == (None, None)
+
+
+def test_strict_mode_narrowing_is_reported_not_approximated(smol):
+    """xgrammar's strict mode refuses undeclared keys (JSON Schema allows them): a deliberate
+    narrowing, reported in `narrowed`; the grammar stays exact (every accepted output is valid)."""
+    tok, stops = smol
+    open_obj = {"type": "object", "properties": {"a": {"type": "integer"}, "t": {"type": "array",
+                "prefixItems": [{"type": "integer"}]}}}
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}
+    strict = GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False)
+    compiled, _ = strict.compile(spec_from_params(json_schema=open_obj))
+    assert compiled.exact and compiled.strict
+    assert compiled.narrowed == ("additionalProperties (strict)", "items (strict)")
+    assert not accepts(strict, compiled, {"a": 1, "b": 2})  # the narrowing itself
+    compiled, _ = strict.compile(spec_from_params(json_schema=closed))
+    assert compiled.exact and compiled.narrowed == ()  # additionalProperties set: nothing narrowed
+    lenient = GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False, strict_json=False)
+    compiled, _ = lenient.compile(spec_from_params(json_schema=open_obj))
+    assert not compiled.strict and compiled.narrowed == ()
+    assert accepts(lenient, compiled, {"a": 1, "b": 2})
+    llg = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="llguidance", fallback=False)
+    compiled, _ = llg.compile(spec_from_params(json_schema=open_obj))
+    assert compiled.narrowed == () and accepts(llg, compiled, {"a": 1, "b": 2})  # spec-faithful
