@@ -181,7 +181,9 @@ class Engine:
             # the cost is extrapolated, as it grows linearly there
             top = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k), 256))
             sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)} | {top})
-            cost = ForwardCost(self.runner.measure_forward_cost(sizes))
+            # best of 3 per size: one slow run (another process on the cores) would otherwise
+            # misprice every draft until the engine's own steps correct it
+            cost = ForwardCost(self.runner.measure_forward_cost(sizes, repeats=2))
         if cfg.speculative == "mtp":
             from deepinfer.engine.mtp_drafter import MtpDrafter
 

@@ -276,10 +276,19 @@ class Speculator:
         self._drafter_s += passes  # a self-drafter's passes are priced by draft_frac, not here
         if drafts <= 0:
             self.cost.observe(num_tokens, seconds)
+            # a price only drafted steps can correct must not keep drafting off for good: it fades
+            # while nothing is drafted, so a later plan tries drafts again and re-measures them
+            self.slot_extra *= 1.0 - EMA / 4
             return
-        per_slot = max(0.0, seconds - passes - self.cost(num_tokens)) / drafts
+        seconds -= passes
+        modelled = self.cost(num_tokens)
+        if seconds < modelled:
+            # faster than the model's time for num_tokens tokens: that time is too high (a noisy
+            # start-up measurement; at batch 1 the draft-free size T = 5 is never run to correct it)
+            self.cost.observe(num_tokens, seconds)
+        per_slot = max(0.0, seconds - modelled) / drafts
         # bounded like the cost model's observations: one stalled step must not price drafts out for long
-        per_slot = min(per_slot, 4.0 * self.cost(num_tokens) / num_tokens)
+        per_slot = min(per_slot, 4.0 * modelled / num_tokens)
         self.slot_extra += EMA * (per_slot - self.slot_extra)
 
     def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
