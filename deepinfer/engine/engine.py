@@ -523,7 +523,11 @@ class Engine:
             prefill += sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.waiting)
             # the step's tokens before n-gram drafts: decodes, forced drafts, the prefill the budget lets in
             base = min(n_decoding + forced + prefill, self.config.max_num_batched_tokens)
-            plan = self.speculator.propose(candidates, base, float(n_decoding))
+            # every token the step computes is work the job needs (a prompt token as much as a
+            # decode): counting only the decodes made a draft in a prefill-heavy step look like a
+            # gain on a handful of tokens when it displaces or lengthens work the step does anyway
+            # (batch 128, 32 new tokens: 0.87-0.89x with drafts admitted in such steps)
+            plan = self.speculator.propose(candidates, base, float(base))
             self.stats.record_draft_plan(plan.proposed, plan.admitted)
         self.stats.schedule_time += time.perf_counter() - t0
 

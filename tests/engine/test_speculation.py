@@ -137,3 +137,13 @@ def test_a_step_faster_than_modelled_corrects_the_model_and_a_high_price_fades()
     for _ in range(50):
         spec.observe_step(1, 0, 1.0)  # ... fades while nothing is drafted, so drafts get retried
     assert spec.slot_extra < 0.1
+
+
+def test_a_prefill_heavy_step_admits_no_uncertain_drafts():
+    # compute-bound (10 ms a token): a step of 2,000 prompt tokens and 20 decodes. Counting every
+    # token the step computes as its gain, a 0.9-likely draft costs a full token for 0.9 of one
+    linear = ForwardCost([(1, 0.01), (4096, 40.96)])
+    survival = [[0.9, 0.81]] * 20
+    assert sum(choose_lengths(survival, base_tokens=2020, base_gain=2020.0, cost=linear)) == 0
+    # (counting only the 20 decodes as the step's gain, the same drafts looked worth 40 slots)
+    assert sum(choose_lengths(survival, base_tokens=2020, base_gain=20.0, cost=linear)) == 40
