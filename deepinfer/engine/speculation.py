@@ -41,6 +41,7 @@ PRIOR_WEIGHT = 4.0
 DISCOUNT = 0.95
 EMA = 0.2  # weight of the newest observation in the online corrections
 MAX_BACKOFF = 16  # most steps drafting is paused for after a step where it did not pay
+PROBE_EVERY = 4  # planning rounds in a row that admit nothing, after which one draft is verified anyway
 
 
 class ForwardCost:
@@ -200,6 +201,8 @@ class Speculator:
         # survival probability of the last slot the latest plan admitted: a model drafter that learns
         # more once its drafts are drawn cuts runs whose survival falls below it (0: cut nothing)
         self.min_survival = 0.0
+        self._dry = 0  # planning rounds in a row that admitted nothing
+        self.probes = 0  # single drafts verified as probes (stats)
         self.propose_s = 0.0  # host seconds one round of drafting takes (EMA)
         self.saved_s = 0.0  # seconds one round's admitted drafts are expected to save (EMA, zeros incl.)
         self._backoff = 0  # steps drafting pauses for after the next one that does not pay
@@ -237,6 +240,19 @@ class Speculator:
             survival.append(ps)
         lengths, saved, self.min_survival = _choose(survival, base_tokens, base_gain, self.cost, self.draft_frac,
                                                     self.slot_extra)
+        if any(lengths):
+            self._dry = 0
+        else:
+            self._dry += 1
+            if self._dry >= PROBE_EVERY:
+                # a probe: the likeliest slot is verified anyway. Without it a start-up cost point
+                # measured during a stall (seen: T = 2 at 1.6x T = 1 at batch 1, where it is ~1.05x)
+                # or a low prior keeps every draft out, and nothing would ever correct either
+                self._dry = 0
+                i = max(range(len(survival)), key=lambda k: survival[k][0])
+                lengths[i] = 1
+                self.probes += 1
+                self.min_survival = 0.0  # a model drafter must not cut the probe
         for (seq, tokens, key), k in zip(drafted, lengths):
             seq.draft_token_ids = tokens[:k]
             seq.draft_key = key

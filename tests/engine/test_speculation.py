@@ -147,3 +147,23 @@ def test_a_prefill_heavy_step_admits_no_uncertain_drafts():
     assert sum(choose_lengths(survival, base_tokens=2020, base_gain=2020.0, cost=linear)) == 0
     # (counting only the 20 decodes as the step's gain, the same drafts looked worth 40 slots)
     assert sum(choose_lengths(survival, base_tokens=2020, base_gain=20.0, cost=linear)) == 40
+
+
+def test_a_stalled_start_up_point_is_probed_and_corrected():
+    from deepinfer.engine.speculation import PROBE_EVERY
+
+    # start-up measured T = 2.. during a stall: at batch 1 no draft looks worth its cost
+    cost = ForwardCost([(1, 1.0), (2, 2.0), (4, 2.1), (8, 2.2)])
+    spec = Speculator(NgramDrafter(4), cost)
+    seq = _seq([5, 6, 7, 8, 9, 5, 6, 7])
+    admitted = []
+    for _ in range(6 * PROBE_EVERY):
+        spec._skip = 0  # (pauses are tested elsewhere)
+        plan = spec.propose([(seq, 4)], base_tokens=1, base_gain=1.0)
+        admitted.append(plan.admitted)
+        k = plan.admitted
+        spec.observe(seq, k, k)  # the drafts pass
+        spec.observe_step(1 + k, k, 1.05 if k else 1.0)  # and a verify step costs ~a decode
+    assert spec.probes >= 1 and admitted[PROBE_EVERY - 1] == 1  # the first probe, after PROBE_EVERY dry rounds
+    assert all(a == 4 for a in admitted[-4:])  # an accepted probe: drafting runs normally from then on
+    assert cost(5) < 1.8  # (modelled 2.1 at start) and the verify steps, faster than modelled, corrected the stalled points
