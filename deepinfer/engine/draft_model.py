@@ -101,7 +101,7 @@ class CheckpointDrafter:
         self.block_size = block_size
         self.seconds = 0.0  # time spent in draft passes (catch-up included)
         self.caught_up_tokens = 0  # tokens fed to catch the draft cache up (stats, tests)
-        # sequence -> (tokens whose KV the draft cache holds, the block ids they sit in, preemptions then)
+        # sequence -> (its tokens held then, the drafts fed after them, the block ids, preemptions then)
         self._held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # calibration of the draft model's own probability: per bucket, drafts verified and accepted
         self.trials = [0.0] * BUCKETS
@@ -137,17 +137,20 @@ class CheckpointDrafter:
         return sum(part[t] / full[t] for t in sizes) / len(sizes)
 
     def _valid(self, seq: Sequence) -> int:
-        """How many of the sequence's leading tokens the draft cache holds, as they are now."""
+        """How many of the sequence's leading tokens the draft cache holds, as they are now. The
+        first `base` were the sequence's own tokens when it last drafted (a sequence's tokens never
+        change), so only the drafts fed after them are compared: per step O(drafts), not O(length)."""
         held = self._held.get(seq)
         if held is None:
             return 0
-        tokens, table, preemptions = held
+        base, fed, table, preemptions = held
         if preemptions != seq.num_preemptions:
             return 0
-        now = seq.all_token_ids
-        n = 0
-        limit = min(len(tokens), seq.num_computed_tokens)
-        while n < limit and tokens[n] == now[n]:
+        limit = seq.num_computed_tokens
+        n = min(base, limit)
+        for tok in fed:
+            if n >= limit or n >= seq.num_tokens or seq.token_at(n) != tok:
+                break
             n += 1
         blocks = -(-n // self.block_size)
         if seq.block_table[:blocks] != table[:blocks]:
@@ -167,7 +170,7 @@ class CheckpointDrafter:
         runs = []
         for s in seqs:
             start = self._valid(s)
-            runs.append((s, start, s.all_token_ids[start : s.num_computed_tokens + 1]))
+            runs.append((s, start, [s.token_at(i) for i in range(start, s.num_computed_tokens + 1)]))
         # single-token runs first (ForwardBatch lays decodes out before multi-token runs)
         runs.sort(key=lambda r: len(r[2]) > 1 or r[1] == 0)
         seqs = [r[0] for r in runs]
@@ -204,8 +207,8 @@ class CheckpointDrafter:
                 buckets[s].append(b)
         for s in seqs:
             # the cache holds the sequence's tokens and the drafts fed (all but the last drawn one)
-            held = s.all_token_ids[: s.num_computed_tokens + 1] + s.draft_token_ids[: fed[s]]
-            self._held[s] = (held, list(s.block_table), s.num_preemptions)
+            self._held[s] = (s.num_computed_tokens + 1, s.draft_token_ids[: fed[s]], list(s.block_table),
+                             s.num_preemptions)
             self._buckets[s] = buckets[s]
         self.seconds += time.perf_counter() - t0
 
