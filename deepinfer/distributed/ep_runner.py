@@ -1,4 +1,5 @@
-"""The engine process's stand-in for ModelRunner under expert parallelism: starts N worker processes
+"""The engine process's stand-in for ModelRunner under expert parallelism (make_ep_runner picks it, or
+group_runner.py inside a launched group): starts N worker processes
 (torch.multiprocessing, spawn), ships each step's ForwardBatch to all of them and returns rank 0's
 logits. The engine's scheduler, KV block pool and radix cache stay in the engine process; every
 worker holds a KV cache of the same shape and writes the same slots (replicated attention,
@@ -41,19 +42,81 @@ def _kill_all(procs) -> None:
         p.join(timeout=5)
 
 
+def check_ep_config(config, model_config) -> None:
+    """What expert parallelism cannot run, refused before any process starts or any group is used."""
+    N = config.expert_parallel_size
+    moe = getattr(model_config, "moe", None)
+    if moe is None:
+        raise ExpertParallelConfigError(f"expert_parallel_size={N}: {model_config.architecture} has no routed experts")
+    ExpertShard(moe.num_experts, N, 0)  # E % N != 0: a clear error
+    bad = [name for name, on in (("speculative", config.speculative is not None), ("cuda_graphs", config.cuda_graphs),
+                                 ("quantized dtype", config.dtype.startswith("quantized"))) if on]
+    if bad:
+        raise ExpertParallelConfigError(f"expert_parallel_size={N} does not support {', '.join(bad)} yet")
+
+
+def with_kv_budget(config, device: torch.device, N: int):
+    """One KV budget, decided by the engine process, so every rank sizes the same pool (block ids
+    mean the same on every rank)."""
+    if config.kv_cache_memory is not None:
+        return config
+    from deepinfer.engine.model_runner import available_memory
+
+    budget = int(available_memory(device) * config.kv_cache_fraction) // N  # N replicas of the cache
+    if device.type == "cpu":
+        budget = min(budget, config.max_kv_cache_memory_cpu)
+    return dataclasses.replace(config, kv_cache_memory=max(budget, 1))
+
+
+def resolve_placeholders(batch: ForwardBatch, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    """The batch's input ids with the overlapped loop's placeholders (-(r + 1): row r of the previous
+    step's samples) filled in, on the CPU: what travels to the ranks."""
+    ids = batch.input_ids
+    if prev_tokens is None:
+        return ids
+    return torch.where(ids < 0, prev_tokens.cpu()[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
+
+
+def weight_filter(config):
+    """What the engine process itself reads of the checkpoint under expert parallelism: in a launched
+    group, its rank's share (it runs that share); otherwise nothing but config and tokenizer (the
+    spawned workers read their own shares)."""
+    import torch.distributed as dist
+
+    from deepinfer.distributed.sharding import expert_weight_filter, no_weights
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == config.expert_parallel_size:
+        return expert_weight_filter(dist.get_rank(), dist.get_world_size())
+    return no_weights
+
+
+def make_ep_runner(config, model_config, loaded, device: torch.device, dtype: torch.dtype):
+    """The runner of an expert-parallel engine: joins the process group this process is already in
+    (torchrun + deepinfer.distributed.init(); group_runner.py), else starts its own workers. On a
+    torchrun rank other than 0 it serves rank 0's steps until rank 0 closes, then returns None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from deepinfer.distributed.group_runner import GroupRunner, serve
+
+        world = dist.get_world_size()
+        if world != config.expert_parallel_size:
+            raise ExpertParallelConfigError(
+                f"expert_parallel_size={config.expert_parallel_size}, but this process is rank {dist.get_rank()} "
+                f"of a process group of {world}: launch {config.expert_parallel_size} processes "
+                f"(torchrun --nproc_per_node) or set expert_parallel_size={world}")
+        check_ep_config(config, model_config)
+        if dist.get_rank() != 0:
+            serve(device, loaded)
+            return None
+        return GroupRunner(config, model_config, loaded, device, dtype)
+    return EpRunner(config, model_config, loaded.source, device, dtype)
+
+
 class EpRunner:
     def __init__(self, config, model_config, model_source: str, device: torch.device, dtype: torch.dtype):
         N = config.expert_parallel_size
-        moe = getattr(model_config, "moe", None)
-        if moe is None:
-            raise ExpertParallelConfigError(
-                f"expert_parallel_size={N}: {model_config.architecture} "
-                "has no routed experts")
-        ExpertShard(moe.num_experts, N, 0)  # E % N != 0: a clear error before any process starts
-        bad = [name for name, on in (("speculative", config.speculative is not None), ("cuda_graphs", config.cuda_graphs),
-                                     ("quantized dtype", config.dtype.startswith("quantized"))) if on]
-        if bad:
-            raise ExpertParallelConfigError(f"expert_parallel_size={N} does not support {', '.join(bad)} yet")
+        check_ep_config(config, model_config)
         self.config = config
         self.model_config = model_config
         self.device = device
@@ -62,13 +125,7 @@ class EpRunner:
         self.world_size = N
         self.timeout = float(config.expert_parallel_timeout)
         self.failure: DistributedWorkerError | None = None
-        if config.kv_cache_memory is None:  # one budget, decided here, so every rank sizes the same pool
-            from deepinfer.engine.model_runner import available_memory
-
-            budget = int(available_memory(device) * config.kv_cache_fraction) // N  # N replicas of the cache
-            if device.type == "cpu":
-                budget = min(budget, config.max_kv_cache_memory_cpu)
-            config = dataclasses.replace(config, kv_cache_memory=max(budget, 1))
+        config = with_kv_budget(config, device, N)
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // N)
         ctx = torch.multiprocessing.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="deepinfer-ep-")
@@ -108,10 +165,7 @@ class EpRunner:
                 num_layers: int | None = None) -> torch.Tensor:
         if num_layers is not None:
             raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
-        ids = batch.input_ids
-        if prev_tokens is not None:
-            ph = ids < 0
-            ids = torch.where(ph, prev_tokens.cpu()[(-ids - 1).clamp(min=0, max=max(prev_tokens.numel() - 1, 0))], ids)
+        ids = resolve_placeholders(batch, prev_tokens)
         first = pack_batch(batch, input_ids=ids)
         rest = pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))  # logits on rank 0 only
         self._send_all([("forward", first)] + [("forward", rest)] * (self.world_size - 1))

@@ -4,6 +4,7 @@ maps to its owner by one integer division and the low-latency buffers have one s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from deepinfer.errors import ExpertParallelConfigError
@@ -44,3 +45,32 @@ def token_split(num_tokens: int, world_size: int) -> list[int]:
     when num_tokens < world_size)."""
     q, r = divmod(num_tokens, world_size)
     return [q + (i < r) for i in range(world_size)]
+
+
+_EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def expert_weight_filter(rank: int, world_size: int):
+    """For load_model(tensor_filter=): a rank reads the checkpoint's tensors except other ranks' routed
+    experts (so no process ever holds the whole model; MTP layers, which expert parallelism does
+    not run, are read whole)."""
+
+    def for_config(config):
+        moe = getattr(config, "moe", None)
+        if moe is None:
+            return lambda name: True
+        held = set(ExpertShard(moe.num_experts, world_size, rank).expert_ids)
+        L = config.num_hidden_layers
+
+        def keep(name: str) -> bool:
+            m = _EXPERT_TENSOR.match(name)
+            return m is None or int(m.group(1)) >= L or int(m.group(2)) in held
+
+        return keep
+
+    return for_config
+
+
+def no_weights(config):
+    """For load_model(tensor_filter=): config and tokenizer only (the engine process of spawned workers)."""
+    return lambda name: False

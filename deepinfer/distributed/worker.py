@@ -1,9 +1,12 @@
-"""One expert-parallel worker process: joins the group, loads the model with only its experts
-(ep_model.shard_model as ModelRunner's model hook), then runs the commands the engine sends over its
-pipe (a step's ForwardBatch, a KV copy, stats) until told to close or the engine goes away.
+"""One expert-parallel rank's side: the model with only its experts (ep_model.shard_model as
+ModelRunner's model hook) and the commands the engine sends it (a step's ForwardBatch, a KV copy,
+stats, close). `build_runner` and `execute` are shared by the engine's spawned workers
+(`worker_main`, commands over a pipe) and by a torchrun group's ranks (group_runner.py, commands
+broadcast over the group).
 
-A thread stamps `heartbeats[rank]` twice a second, so the engine can tell a rank that is hung (a
-stopped or wedged process: stale stamp) from one that merely waits in a collective for it."""
+A spawned worker's thread stamps `heartbeats[rank]` twice a second, so the engine can tell a rank
+that is hung (a stopped or wedged process: stale stamp) from one that merely waits in a collective
+for it."""
 
 from __future__ import annotations
 
@@ -35,6 +38,49 @@ def _heartbeat(heartbeats, rank: int) -> None:
         time.sleep(HEARTBEAT_S)
 
 
+def build_runner(config, model_source: str, device, dtype_name: str, rank: int, world: int, stats, loaded=None):
+    """This rank's ModelRunner (its experts only) and what the engine needs to know about it; `loaded`:
+    the checkpoint when this process has it already (a torchrun group's rank 0)."""
+    import torch
+
+    from deepinfer.distributed.ep_model import shard_model
+    from deepinfer.distributed.sharding import expert_weight_filter
+    from deepinfer.engine.loader import load_model
+    from deepinfer.engine.model_runner import ModelRunner
+
+    if loaded is None:  # this rank's experts only
+        loaded = load_model(model_source, cache_dir=config.cache_dir, tensor_filter=expert_weight_filter(rank, world))
+    sharded = []
+    runner = ModelRunner(config, loaded.config, loaded.weights, device, getattr(torch, dtype_name),
+                         model_hook=lambda m: sharded.append(
+                             shard_model(m, rank, world, config.expert_parallel_dispatch, stats)))
+    del loaded
+    return runner, dict(num_blocks=runner.num_blocks, kv_bytes_per_token=runner.kv_bytes_per_token,
+                        weight_bytes=runner.weight_bytes(), precision=runner.precision,
+                        moe_layers=sharded[0], pid=os.getpid())
+
+
+def execute(runner, stats, msg, want_logits: bool):
+    """Run one command; returns its reply payload (logits only when want_logits)."""
+    from deepinfer.distributed.wire import pack_tensor, unpack_batch
+
+    op = msg[0]
+    if op == "forward":
+        t0 = time.perf_counter()
+        logits = runner.forward(runner.prepare(unpack_batch(msg[1])))
+        stats.forward_s += time.perf_counter() - t0
+        return pack_tensor(logits) if want_logits else None
+    if op == "copy_kv":
+        runner.copy_kv_tokens(*msg[1:])
+        return None
+    if op == "stats":
+        out = stats.as_dict()
+        if msg[1]:
+            stats.reset()
+        return out
+    raise ValueError(f"unknown command {op!r}")
+
+
 def worker_main(rank: int, world: int, rendezvous: str, config, model_source: str, device_name: str,
                 dtype_name: str, threads: int, conn, heartbeats, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
@@ -44,25 +90,12 @@ def worker_main(rank: int, world: int, rendezvous: str, config, model_source: st
     torch.set_num_threads(threads)
     try:
         from deepinfer.distributed.dispatch import CommStats
-        from deepinfer.distributed.ep_model import shard_model
         from deepinfer.distributed.group import init_spawned, shutdown
-        from deepinfer.distributed.wire import pack_tensor, unpack_batch
-        from deepinfer.engine.loader import load_model
-        from deepinfer.engine.model_runner import ModelRunner
 
-        device = torch.device(device_name)
-        info = init_spawned(rank, world, rendezvous, device, config.expert_parallel_timeout)
-        device = info.device
-        loaded = load_model(model_source, cache_dir=config.cache_dir)
+        info = init_spawned(rank, world, rendezvous, torch.device(device_name), config.expert_parallel_timeout)
         stats = CommStats()
-        sharded = []
-        runner = ModelRunner(config, loaded.config, loaded.weights, device, getattr(torch, dtype_name),
-                             model_hook=lambda m: sharded.append(
-                                 shard_model(m, rank, world, config.expert_parallel_dispatch, stats)))
-        del loaded
-        conn.send(("ok", dict(num_blocks=runner.num_blocks, kv_bytes_per_token=runner.kv_bytes_per_token,
-                              weight_bytes=runner.weight_bytes(), precision=runner.precision,
-                              moe_layers=sharded[0], pid=os.getpid())))
+        runner, about = build_runner(config, model_source, info.device, dtype_name, rank, world, stats)
+        conn.send(("ok", about))
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it typed
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -73,26 +106,12 @@ def worker_main(rank: int, world: int, rendezvous: str, config, model_source: st
                 msg = conn.recv()
             except (EOFError, OSError):  # the engine is gone
                 break
-            op = msg[0]
+            if msg[0] == "close":
+                conn.send(("ok", None))
+                clean = True
+                break
             try:
-                if op == "forward":
-                    t0 = time.perf_counter()
-                    logits = runner.forward(runner.prepare(unpack_batch(msg[1])))
-                    stats.forward_s += time.perf_counter() - t0
-                    conn.send(("ok", pack_tensor(logits) if rank == 0 else None))
-                elif op == "copy_kv":
-                    runner.copy_kv_tokens(*msg[1:])
-                    conn.send(("ok", None))
-                elif op == "stats":
-                    conn.send(("ok", stats.as_dict()))
-                    if msg[1]:
-                        stats.reset()
-                elif op == "close":
-                    conn.send(("ok", None))
-                    clean = True
-                    break
-                else:
-                    conn.send(("error", f"unknown command {op!r}"))
+                conn.send(("ok", execute(runner, stats, msg, want_logits=rank == 0)))
             except Exception as e:  # noqa: BLE001 - a failed collective leaves the group unusable: report, exit
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
                 break

@@ -38,7 +38,7 @@ from deepinfer.engine.speculation import ForwardCost, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step, plan_step
 from deepinfer.engine.structured_output import StructuredOutputs
-from deepinfer.errors import DistributedWorkerError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from deepinfer.errors import DistributedWorkerError, ExpertParallelConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
 MAX_FORCED_DRAFT = 32  # most forced tokens verified in one step (a forced string can be a long JSON key)
@@ -110,7 +110,13 @@ class Engine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         quant_mode = _quant_mode(cfg.dtype, self.device)
-        loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=quant_mode is not None)
+        tensor_filter = None
+        if cfg.expert_parallel_size > 1:  # this process reads only what it will run of the checkpoint
+            from deepinfer.distributed.ep_runner import weight_filter
+
+            tensor_filter = weight_filter(cfg)
+        loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=quant_mode is not None,
+                            tensor_filter=tensor_filter)
         if cfg.dtype in QUANT_DTYPES and not loaded.quantized:
             raise InvalidRequestError(f"dtype={cfg.dtype!r} needs a GGUF checkpoint with Q4_0/Q4_1/Q8_0 tensors; "
                                       f"{loaded.source} has none")
@@ -118,10 +124,15 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        if cfg.expert_parallel_size > 1:  # worker processes hold the weights (deepinfer/distributed)
-            from deepinfer.distributed.ep_runner import EpRunner
+        self.is_driver = True  # False on a torchrun rank other than 0 (expert parallelism in a user's group)
+        if cfg.expert_parallel_size > 1:  # worker processes (or the ranks of the user's group) hold the weights
+            from deepinfer.distributed.ep_runner import make_ep_runner
 
-            self.runner = EpRunner(cfg, self.model_config, loaded.source, self.device, self.dtype)
+            self.runner = make_ep_runner(cfg, self.model_config, loaded, self.device, self.dtype)
+            if self.runner is None:  # this rank served rank 0's steps until rank 0 closed its engine
+                self.is_driver = False
+                self._executor = None
+                return
         else:
             self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
                                       quantized=loaded.quantized, quant_mode=quant_mode)
@@ -234,6 +245,7 @@ class Engine:
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Validate, tokenise and queue one request; returns its id. Raises a typed error for bad input."""
+        self._require_driver()
         if self._failure is not None:
             raise self._failure
         params = params or SamplingParams()
@@ -302,6 +314,7 @@ class Engine:
         A parent that is not yet decoding (still waiting or prefilling) is forked by plain copies
         that share KV through the radix cache once the parent's prefix is cached.
         """
+        self._require_driver()
         self._drain()  # the parent's token in flight must be known before children copy its tokens
         parent = self._seqs.get(request_id)
         if parent is None or parent.is_finished:
@@ -347,6 +360,8 @@ class Engine:
         return len(self._compiling)
 
     def has_unfinished(self) -> bool:
+        if not self.is_driver:
+            return False
         return (
             self.scheduler.has_unfinished()
             or bool(self._compiling)
@@ -364,12 +379,22 @@ class Engine:
         A failed expert-parallel worker ends the engine: every unfinished request comes back with
         finish_reason "error" naming the rank; later calls raise that DistributedWorkerError.
         """
+        self._require_driver()
         if self._failure is not None:
             raise self._failure
         try:
             return self._step()
         except DistributedWorkerError as e:
             return self._fail_all(e)
+
+    def _require_driver(self) -> None:
+        if not self.is_driver:
+            import torch.distributed as dist
+
+            raise ExpertParallelConfigError(
+                f"this engine is rank {dist.get_rank() if dist.is_initialized() else '?'} of an expert-parallel "
+                "group: it served rank 0's steps and takes no requests (submit on the engine whose "
+                "is_driver is True, rank 0)")
 
     def _fail_all(self, err: DistributedWorkerError) -> list[RequestOutput]:
         self._failure = err
@@ -646,6 +671,7 @@ class Engine:
         A prompt that fails validation does not fail the batch: its output has finish_reason='error'
         and `error` names the problem, and the other prompts run normally.
         """
+        self._require_driver()
         prompts = prompt_list(prompts)  # one prompt or a batch, judged per element
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)

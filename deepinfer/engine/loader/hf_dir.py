@@ -26,14 +26,25 @@ def read_config(model_dir: Path) -> ModelConfig:
         raise type(e)(f"{model_dir / 'config.json'}: {e}") from e
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
+def _load_safetensors(path: Path, keep=None, skipped: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The file's tensors; with `keep(name)`, only those it keeps (the others are named in `skipped`
+    and never read: an expert-parallel rank reads its own experts only)."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     if not path.is_file():
         raise ModelLoadError(f"missing weights file {path}")
     try:
-        return load_file(str(path))
+        if keep is None:
+            return load_file(str(path))
+        out = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if keep(name.removesuffix(fp8_blocks.SCALE_SUFFIX) if name.endswith(fp8_blocks.SCALE_SUFFIX) else name):
+                    out[name] = f.get_tensor(name)
+                elif skipped is not None:
+                    skipped.add(name)
+        return out
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # truncated or garbled file
         raise ModelLoadError(f"corrupt or unreadable safetensors file {path}: {e}") from e
 
@@ -52,11 +63,12 @@ def _confined_shard(index: Path, shard: str) -> PurePosixPath:
     return p
 
 
-def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the directory's safetensors checkpoint, converted to fp32."""
+def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's safetensors checkpoint (those `keep(name)` keeps, when given;
+    the rest named in `skipped`), converted to fp32."""
     single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
     if single.is_file():
-        tensors = _load_safetensors(single)
+        tensors = _load_safetensors(single, keep, skipped)
     elif index.is_file():
         weight_map = read_json_object(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -66,8 +78,8 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
         if bad:
             raise ModelLoadError(f"{index}: shard names must be strings, got {bad[0]!r}")
         for shard in sorted(set(weight_map.values())):
-            tensors.update(_load_safetensors(model_dir / _confined_shard(index, shard)))
-        absent = sorted(n for n in weight_map if n not in tensors)
+            tensors.update(_load_safetensors(model_dir / _confined_shard(index, shard), keep, skipped))
+        absent = sorted(n for n in weight_map if n not in tensors and not (skipped and n in skipped))
         if absent:
             raise ModelLoadError(f"{index} lists tensors its shards lack: {absent[:5]}")
     else:
@@ -83,9 +95,11 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_hf_dir(model_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """(config, fp32 weights, tokenizer) of an HF model directory; weights are not yet checked."""
+def load_hf_dir(model_dir: Path, tensor_filter=None, skipped: set[str] | None = None
+                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """(config, fp32 weights, tokenizer) of an HF model directory; weights are not yet checked.
+    tensor_filter(config) -> keep(name): read only the tensors it keeps (the rest go to `skipped`)."""
     config = read_config(model_dir)
-    weights = read_weights(model_dir)
+    weights = read_weights(model_dir, tensor_filter(config) if tensor_filter else None, skipped)
     tokenizer = Tokenizer.from_dir(model_dir)
     return config, weights, tokenizer

@@ -52,19 +52,21 @@ def default_model_path() -> Path:
 
 
 def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
-               use_cache: bool = True, keep_quantized: bool = False) -> LoadedModel:
+               use_cache: bool = True, keep_quantized: bool = False, tensor_filter=None) -> LoadedModel:
     """Load `model`: None (the default model), an HF model directory, or a `.gguf` file.
 
     GGUF files are converted once and cached as fp32 safetensors under `cache_dir` (default
     `$DEEPINFER_CACHE_DIR` or `~/.cache/deepinfer/models`); `use_cache=False` skips the cache.
     `keep_quantized`: also return a GGUF's block-quantised tensors as stored (`LoadedModel.quantized`).
+    `tensor_filter(config) -> keep(name)`: read only the tensors keep() keeps from a model directory
+    (an expert-parallel rank: its own experts); the others must exist and are not checked here.
     Raises ModelLoadError (UnsupportedArchitectureError for unknown architectures) naming the problem.
     """
     path = default_model_path() if model is None else Path(os.fspath(model)).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir():
-        return _from_dir(path, source=str(path))
+        return _from_dir(path, source=str(path), tensor_filter=tensor_filter)
     if path.suffix.lower() == ".gguf":
         loaded = _from_gguf(path, cache_dir, use_cache)
         if keep_quantized:
@@ -75,10 +77,11 @@ def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.Pa
     raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
 
 
-def _finish(config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer, source: str) -> LoadedModel:
+def _finish(config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer, source: str,
+            skipped: set[str] | None = None) -> LoadedModel:
     """Drop ignorable tensors, check names/shapes, and reconcile special ids between config and tokenizer."""
     weights = {k: v for k, v in weights.items() if not is_ignorable(k, config)}
-    check_weights(weights, config, source)
+    check_weights(weights, config, source, skipped=skipped)
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(
             f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size} rows"
@@ -93,9 +96,10 @@ def _finish(config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: To
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=source)
 
 
-def _from_dir(path: Path, source: str) -> LoadedModel:
-    config, weights, tokenizer = hf_dir.load_hf_dir(path)
-    return _finish(config, weights, tokenizer, source)
+def _from_dir(path: Path, source: str, tensor_filter=None) -> LoadedModel:
+    skipped: set[str] = set()
+    config, weights, tokenizer = hf_dir.load_hf_dir(path, tensor_filter, skipped)
+    return _finish(config, weights, tokenizer, source, skipped)
 
 
 def _convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -49,10 +49,14 @@ def is_ignorable(name: str, config: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
 
 
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
-    """Raise ModelLoadError naming missing, unexpected or wrongly shaped tensors of `source`."""
+def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str,
+                  skipped: set[str] | None = None) -> None:
+    """Raise ModelLoadError naming missing, unexpected or wrongly shaped tensors of `source`;
+    `skipped`: tensors in the checkpoint deliberately not read (an expert-parallel rank's others')."""
     shapes = expected_shapes(config)
     shapes.update(moe_weight_spec.mtp_shapes(config, weights))  # DeepSeek's MTP layers, when shipped
+    for name in skipped or ():
+        shapes.pop(name, None)
     missing = sorted(set(shapes) - set(weights))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
