@@ -10,13 +10,16 @@ expert GEMM (`batch_invariant=True`) an expert's output row does not depend on w
 share its GEMM, and the result is bitwise that of the single-process block.
 
 Two modes:
+Which rank computes a (token, slot) pair: the one holding the copy of its expert that the layer's
+placement (sharding.ExpertPlacement) picks; without redundant experts, the expert's owner.
+
 * normal: the ranks first exchange how many tokens each sends to each (one all_to_all of N counts),
-  then each token travels once to every rank that owns at least one of its experts, carrying the
+  then each token travels once to every rank that holds a copy picked for one of its slots, carrying the
   expert ids of the slots it needs there (-1 elsewhere, packed bit-for-bit behind the hidden state
   in the same message), with `all_to_all_single` and uneven splits. The receiver runs one GEMM per
   local expert over its (row, slot) pairs and sends the pair outputs back in the order it got them;
   the sender knows that order (row-major over its own routing), so no counts travel back.
-* low_latency: fixed-size per-expert buffers [E, capacity + 1, H] (the first row of each carries
+* low_latency: fixed-size per-slot buffers [E + R, capacity + 1, H] (the first row of each carries
   the count of valid rows), one fixed all_to_all each way and no count exchange. capacity bounds the
   rows any rank dispatches in this call (every rank knows it from the batch size); the buffers
   are sized by it, not by the routing, so the bytes are fixed and larger than normal mode's.
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from deepinfer.distributed.sharding import ExpertShard
+from deepinfer.distributed.sharding import ExpertPlacement, ExpertShard
 
 
 @dataclass
@@ -54,6 +57,8 @@ class CommStats:
     forward_s: float = 0.0  # whole forward passes on this rank
     remote_token_ranks: int = 0  # normal mode: (token, other rank) pairs this rank's routing sent
     remote_slots: int = 0  # (token, slot) pairs whose expert lives on another rank
+    rebalances: int = 0  # redundant-expert re-placements done (eplb.py)
+    expert_pairs: int = 0  # (token, slot) pairs this rank's experts computed (its share of the expert work)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -75,23 +80,30 @@ def _unpack_ids(cols: torch.Tensor) -> torch.Tensor:
 class _Dispatcher:
     mode = ""
 
-    def __init__(self, shard: ExpertShard, stats: CommStats | None = None, group=None):
-        self.shard = shard
+    def __init__(self, placement: ExpertPlacement | ExpertShard, stats: CommStats | None = None, group=None):
+        if isinstance(placement, ExpertShard):
+            placement = ExpertPlacement.initial(placement.num_experts, placement.world_size, placement.rank)
+        self.placement = placement
         self.stats = stats if stats is not None else CommStats()
         self.group = group
         self.capacity = None  # low_latency: rows any rank dispatches in this call (set per call)
+        # tokens routed to each expert by this rank since the last rebalance (eplb.py)
+        self.load = torch.zeros(placement.num_experts, dtype=torch.long)
+
+    def _count(self, idx: torch.Tensor) -> None:
+        self.load += torch.bincount(idx.reshape(-1).cpu(), minlength=self.placement.num_experts)
 
     def _a2a(self, out, inp, out_splits=None, in_splits=None):
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
 
-    def _experts(self, block, xs: torch.Tensor, local_ids: torch.Tensor, meta) -> torch.Tensor:
-        """[P, H]: expert local_ids[p] (an index into this rank's experts) on row xs[p]."""
+    def _experts(self, block, xs: torch.Tensor, ids: torch.Tensor, meta) -> torch.Tensor:
+        """[P, H]: expert ids[p] (a global id this rank holds) on row xs[p]."""
         t0 = time.perf_counter()
         if xs.shape[0] == 0:
             y = xs.new_empty(0, xs.shape[1])
         else:
-            # grouped_experts takes global ids; a rank's shard is one contiguous range (sharding.py)
-            y = block.grouped_experts(xs, (local_ids + block.local_experts[0])[:, None], meta)[:, 0]
+            y = block.grouped_experts(xs, ids[:, None], meta)[:, 0]
+        self.stats.expert_pairs += xs.shape[0]
         self.stats.expert_s += time.perf_counter() - t0
         return y
 
@@ -100,12 +112,13 @@ class NormalDispatcher(_Dispatcher):
     mode = "normal"
 
     def __call__(self, block, x: torch.Tensor, idx: torch.Tensor, meta) -> torch.Tensor:
-        sh, st = self.shard, self.stats
-        N, r, n_loc = sh.world_size, sh.rank, sh.per_rank
+        pl, st = self.placement, self.stats
+        N, r = pl.world_size, pl.rank
         T, k = idx.shape
         H = x.shape[1]
         t0 = time.perf_counter()
-        dest = idx // n_loc  # [T, k] owner rank of each slot's expert
+        self._count(idx)
+        dest = pl.choose(idx) // pl.per_rank  # [T, k] the rank holding the copy each slot goes to
         hit = torch.zeros(T, N, dtype=torch.bool, device=x.device)
         hit.scatter_(1, dest, True)  # token t goes to rank d once if any of its slots lives there
         send_counts = hit.sum(0)  # [N]
@@ -121,7 +134,7 @@ class NormalDispatcher(_Dispatcher):
         # this rank's experts over the (row, slot) pairs it received, row-major
         rids = _unpack_ids(recv[:, H:])  # [R, k]
         rows, slots = (rids >= 0).nonzero(as_tuple=True)
-        y = self._experts(block, recv[:, :H].index_select(0, rows), rids[rows, slots] - sh.expert_ids.start, meta)
+        y = self._experts(block, recv[:, :H].index_select(0, rows), rids[rows, slots], meta)
         t2 = time.perf_counter()
         src = torch.repeat_interleave(torch.arange(N, device=x.device), recv_counts)
         back_splits = torch.bincount(src[rows], minlength=N).tolist()
@@ -150,20 +163,21 @@ class LowLatencyDispatcher(_Dispatcher):
     mode = "low_latency"
 
     def __call__(self, block, x: torch.Tensor, idx: torch.Tensor, meta) -> torch.Tensor:
-        sh, st = self.shard, self.stats
-        N, n_loc, E = sh.world_size, sh.per_rank, sh.num_experts
+        pl, st = self.placement, self.stats
+        N, n_loc, E = pl.world_size, pl.per_rank, len(pl.slots)  # (E: physical slots, one buffer each)
         T, k = idx.shape
         H = x.shape[1]
         cap = self.capacity if self.capacity is not None else T
         if T > cap:
             raise ValueError(f"low_latency dispatch: {T} tokens exceed the buffer capacity {cap}")
         t0 = time.perf_counter()
-        flat = idx.reshape(-1)
+        self._count(idx)
+        flat = pl.choose(idx).reshape(-1)
         order = torch.argsort(flat, stable=True)
         e_sorted = flat[order]
         counts = torch.bincount(flat, minlength=E)
         pos = torch.arange(T * k, device=x.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
-        buf = x.new_zeros(E, cap + 1, H)  # row 0 of each expert's buffer: its count
+        buf = x.new_zeros(E, cap + 1, H)  # row 0 of each slot's buffer: its count
         hw = max(1, 4 // x.element_size())
         buf[:, 0, :hw] = _pack_ids(counts[:, None], x.dtype)
         buf[e_sorted, 1 + pos] = x.index_select(0, order // k)
@@ -174,7 +188,8 @@ class LowLatencyDispatcher(_Dispatcher):
         rcount = _unpack_ids(recv[:, :, 0, :hw])[..., 0]  # [N (source), n_loc]
         valid = torch.arange(cap, device=x.device)[None, None, :] < rcount[..., None]
         s_i, e_i, p_i = valid.nonzero(as_tuple=True)
-        y = self._experts(block, recv[s_i, e_i, 1 + p_i], e_i, meta)
+        mine = torch.tensor(pl.expert_ids, dtype=torch.long, device=x.device)  # this rank's slots' experts
+        y = self._experts(block, recv[s_i, e_i, 1 + p_i], mine[e_i], meta)
         t2 = time.perf_counter()
         back = x.new_zeros(N, n_loc, cap, H)
         back[s_i, e_i, p_i] = y
@@ -196,7 +211,8 @@ class LowLatencyDispatcher(_Dispatcher):
 DISPATCH_MODES = {"normal": NormalDispatcher, "low_latency": LowLatencyDispatcher}
 
 
-def make_dispatcher(mode: str, shard: ExpertShard, stats: CommStats | None = None, group=None) -> _Dispatcher:
+def make_dispatcher(mode: str, shard: ExpertPlacement | ExpertShard, stats: CommStats | None = None,
+                    group=None) -> _Dispatcher:
     if mode not in DISPATCH_MODES:
         from deepinfer.errors import ExpertParallelConfigError
 

@@ -20,14 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from deepinfer.distributed.dispatch import CommStats, make_dispatcher
-from deepinfer.distributed.sharding import ExpertShard, token_split
+from deepinfer.distributed.sharding import ExpertPlacement, token_split
 from deepinfer.engine.models.moe import MoeBlock
 
 
 class ExpertParallelMoe(nn.Module):
     """Stands in a decoder layer for its MoeBlock on one rank (same interface: forward, load, weights)."""
 
-    def __init__(self, block: MoeBlock, shard: ExpertShard, stats: CommStats, group=None):
+    def __init__(self, block: MoeBlock, shard, stats: CommStats, group=None):
         super().__init__()
         self.block = block
         self.shard = shard
@@ -70,17 +70,24 @@ class ExpertParallelMoe(nn.Module):
         return self.block.gated_weights()
 
 
-def shard_model(model: nn.Module, rank: int, world_size: int, mode: str, stats: CommStats, group=None) -> int:
-    """Before load: every decoder layer's MoeBlock keeps rank's experts and dispatches through `mode`;
-    returns how many MoE layers were sharded (0: the model has none)."""
+def shard_model(model: nn.Module, rank: int, world_size: int, mode: str, stats: CommStats, group=None,
+                redundant: int = 0) -> int:
+    """Before load: every decoder layer's MoeBlock keeps rank's experts (its home experts plus its
+    initial redundant copies) and dispatches through `mode`; returns how many MoE layers were sharded
+    (0: the model has none)."""
     n = 0
     for layer in getattr(model, "layers", []):
         block = getattr(layer, "mlp", None)
         if not isinstance(block, MoeBlock):
             continue
-        shard = ExpertShard(block.moe.num_experts, world_size, rank)
-        block.hold_experts(shard.expert_ids)
-        block.dispatcher = make_dispatcher(mode, shard, stats, group)
-        layer.mlp = ExpertParallelMoe(block, shard, stats, group)
+        placement = ExpertPlacement.initial(block.moe.num_experts, world_size, rank, redundant)
+        block.hold_experts(placement.expert_ids)
+        block.dispatcher = make_dispatcher(mode, placement, stats, group)
+        layer.mlp = ExpertParallelMoe(block, placement, stats, group)
         n += 1
     return n
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, "ExpertParallelMoe"]]:
+    return [(i, layer.mlp) for i, layer in enumerate(getattr(model, "layers", []))
+            if isinstance(layer.mlp, ExpertParallelMoe)]

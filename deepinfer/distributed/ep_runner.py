@@ -25,7 +25,7 @@ from multiprocessing.connection import wait as mp_wait
 
 import torch
 
-from deepinfer.distributed.sharding import ExpertShard
+from deepinfer.distributed.sharding import ExpertPlacement
 from deepinfer.distributed.wire import pack_batch, unpack_tensor
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.errors import DistributedWorkerError, ExpertParallelConfigError
@@ -48,7 +48,11 @@ def check_ep_config(config, model_config) -> None:
     moe = getattr(model_config, "moe", None)
     if moe is None:
         raise ExpertParallelConfigError(f"expert_parallel_size={N}: {model_config.architecture} has no routed experts")
-    ExpertShard(moe.num_experts, N, 0)  # E % N != 0: a clear error
+    ExpertPlacement.initial(moe.num_experts, N, 0, config.expert_parallel_redundant)  # E % N, R % N: clear errors
+    if config.expert_parallel_redundant and (config.kernels != "auto" or not config.cpu_prepack) \
+            and not str(config.device).startswith("cuda"):
+        raise ExpertParallelConfigError("expert_parallel_redundant needs the grouped expert kernel "
+                                        "(kernels='auto' and cpu_prepack=True on CPU)")
     bad = [name for name, on in (("speculative", config.speculative is not None), ("cuda_graphs", config.cuda_graphs),
                                  ("quantized dtype", config.dtype.startswith("quantized"))) if on]
     if bad:
@@ -86,7 +90,7 @@ def weight_filter(config):
     from deepinfer.distributed.sharding import expert_weight_filter, no_weights
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == config.expert_parallel_size:
-        return expert_weight_filter(dist.get_rank(), dist.get_world_size())
+        return expert_weight_filter(dist.get_rank(), dist.get_world_size(), config.expert_parallel_redundant)
     return no_weights
 
 
@@ -125,6 +129,9 @@ class EpRunner:
         self.world_size = N
         self.timeout = float(config.expert_parallel_timeout)
         self.failure: DistributedWorkerError | None = None
+        self.model_source = model_source
+        self._forwards = 0
+        self._rebalance_every = config.expert_parallel_rebalance_interval if config.expert_parallel_redundant else 0
         config = with_kv_budget(config, device, N)
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // N)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -166,6 +173,9 @@ class EpRunner:
         if num_layers is not None:
             raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
         ids = resolve_placeholders(batch, prev_tokens)
+        self._forwards += 1
+        if self._rebalance_every and self._forwards % self._rebalance_every == 0:
+            self.rebalance_experts()
         first = pack_batch(batch, input_ids=ids)
         rest = pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))  # logits on rank 0 only
         self._send_all([("forward", first)] + [("forward", rest)] * (self.world_size - 1))
@@ -175,6 +185,11 @@ class EpRunner:
     def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
         self._send_all([("copy_kv", src_block, dst_block, n)] * self.world_size)
         self._collect("a KV copy", self.timeout)
+
+    def rebalance_experts(self) -> dict:
+        """Re-place the redundant expert copies from the load measured since the last time (eplb.py)."""
+        self._send_all([("rebalance", self.model_source, self.config.cache_dir)] * self.world_size)
+        return self._collect("an expert rebalance", STARTUP_TIMEOUT_S)[0]
 
     def measure_forward_cost(self, *a, **kw):
         raise ExpertParallelConfigError("expert parallelism does not measure forward costs (speculation is off)")

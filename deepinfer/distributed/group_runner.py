@@ -113,6 +113,9 @@ class GroupRunner:
         self.world_size = N
         self.timeout = float(config.expert_parallel_timeout)
         self.failure: DistributedWorkerError | None = None
+        self.model_source = loaded.source
+        self._forwards = 0
+        self._rebalance_every = config.expert_parallel_rebalance_interval if config.expert_parallel_redundant else 0
         self.store = _store()
         self._seq = [0]  # next command number (a list: shared with the finaliser)
         self._read = 0  # commands below this every rank has read (their keys are deleted)
@@ -149,6 +152,9 @@ class GroupRunner:
         if num_layers is not None:
             raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
         ids = resolve_placeholders(batch, prev_tokens)
+        self._forwards += 1
+        if self._rebalance_every and self._forwards % self._rebalance_every == 0:
+            self.rebalance_experts()
         self._put(("forward", pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))))
         try:
             logits = self.local.forward(self.local.prepare(dataclasses.replace(batch, input_ids=ids)))
@@ -160,6 +166,15 @@ class GroupRunner:
     def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
         self._put(("copy_kv", src_block, dst_block, n))
         self.local.copy_kv_tokens(src_block, dst_block, n)
+
+    def rebalance_experts(self) -> dict:
+        """Re-place the redundant expert copies from the load measured since the last time (eplb.py)."""
+        msg = ("rebalance", self.model_source, self.config.cache_dir)
+        self._put(msg)
+        try:
+            return execute(self.local, self.stats, msg, want_logits=False)
+        except Exception as e:  # noqa: BLE001 - its all_reduce failed: find the rank behind it
+            self._blame(e, "an expert rebalance")
 
     def measure_forward_cost(self, *a, **kw):
         raise ExpertParallelConfigError("expert parallelism does not measure forward costs (speculation is off)")

@@ -40,6 +40,110 @@ class ExpertShard:
         return expert // self.per_rank
 
 
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where every copy of every routed expert lives (redundant experts, EPLB-style): N * S physical
+    slots, rank r holding slots [r*S, (r+1)*S); `slots[p]` is the expert in slot p. Each rank's first
+    E/N slots are its home experts (ExpertShard), the other R/N copies of experts it does not hold.
+    With R = 0 this is ExpertShard. A (token, slot) pair goes to one copy of its expert, picked by
+    (row + slot) mod copies: deterministic and spread. All copies have the same weights, so with a
+    row-invariant expert GEMM the output is bitwise that of any other copy."""
+
+    num_experts: int
+    world_size: int
+    rank: int
+    slots: tuple[int, ...]
+
+    @staticmethod
+    def initial(num_experts: int, world_size: int, rank: int, redundant: int = 0) -> "ExpertPlacement":
+        ExpertShard(num_experts, world_size, rank)  # the same checks
+        E, N = num_experts, world_size
+        if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0 or redundant % N:
+            raise ExpertParallelConfigError(
+                f"expert_parallel_redundant must be a multiple of expert_parallel_size={N} (>= 0), got {redundant!r}")
+        if redundant and (N == 1 or redundant // N > E - E // N):
+            raise ExpertParallelConfigError(
+                f"expert_parallel_redundant={redundant}: a rank can hold at most {E - E // N} copies of experts "
+                f"it does not own ({E} experts over {N} ranks)")
+        return ExpertPlacement(E, N, rank, _place(E, N, redundant, [0.0] * E))
+
+    def rebalanced(self, load) -> "ExpertPlacement":
+        """The placement for a measured per-expert load (tokens routed to each expert): the same
+        number of copies, given to the hottest experts, on the least loaded ranks."""
+        E = self.num_experts
+        return ExpertPlacement(E, self.world_size, self.rank,
+                               _place(E, self.world_size, len(self.slots) - E, [float(x) for x in load]))
+
+    @property
+    def per_rank(self) -> int:
+        return len(self.slots) // self.world_size
+
+    @property
+    def redundant(self) -> int:
+        return len(self.slots) - self.num_experts
+
+    def rank_experts(self, rank: int) -> list[int]:
+        S = self.per_rank
+        return list(self.slots[rank * S : (rank + 1) * S])
+
+    @property
+    def expert_ids(self) -> list[int]:
+        return self.rank_experts(self.rank)
+
+    def copies(self) -> dict[int, list[int]]:
+        """expert -> the physical slots holding it, ascending."""
+        out: dict[int, list[int]] = {}
+        for p, e in enumerate(self.slots):
+            out.setdefault(e, []).append(p)
+        return out
+
+    def choose(self, idx):
+        """Physical slot [T, k] for each routed (row, slot) pair idx [T, k] of global expert ids."""
+        import torch
+
+        table, n = self._tables(idx.device)
+        T, k = idx.shape
+        pick = (torch.arange(T, device=idx.device)[:, None] + torch.arange(k, device=idx.device)[None, :]) % n[idx]
+        return table[idx, pick]
+
+    def _tables(self, device):
+        import torch
+
+        cached = self.__dict__.get("_t")
+        if cached is None or cached[0].device != device:
+            c = self.copies()
+            width = max(len(v) for v in c.values())
+            table = torch.zeros(self.num_experts, width, dtype=torch.long)
+            for e, ps in c.items():
+                table[e, : len(ps)] = torch.tensor(ps)
+            n = torch.tensor([len(c[e]) for e in range(self.num_experts)], dtype=torch.long)
+            cached = (table.to(device), n.to(device))
+            object.__setattr__(self, "_t", cached)  # (frozen dataclass: a derived cache)
+        return cached
+
+
+def _place(E: int, N: int, R: int, load: list[float]) -> tuple[int, ...]:
+    """Slots for R copies beyond the home experts: repeatedly, the rank with a free copy slot and the
+    least load takes a copy of the hottest expert (load per copy) it does not hold; ties go to the
+    expert with fewer copies, then the lower rank / expert id, so every rank computes the same
+    placement from the same load (and with no load yet, the copies spread over distinct experts)."""
+    home, extra = E // N, R // N
+    S = home + extra
+    held = [list(range(r * home, (r + 1) * home)) for r in range(N)]
+    copies = [1] * E
+
+    def rank_load(r: int) -> float:
+        return sum(load[e] / copies[e] for e in held[r])
+
+    for _ in range(R):
+        r = min((r for r in range(N) if len(held[r]) < S), key=lambda r: (rank_load(r), r))
+        mine = set(held[r])
+        e = max((e for e in range(E) if e not in mine), key=lambda e: (load[e] / copies[e], -copies[e], -e))
+        copies[e] += 1
+        held[r].append(e)
+    return tuple(e for r in range(N) for e in held[r])
+
+
 def token_split(num_tokens: int, world_size: int) -> list[int]:
     """Rows of a batch each rank dispatches: contiguous, sizes differ by at most one (empty ranks
     when num_tokens < world_size)."""
@@ -50,16 +154,16 @@ def token_split(num_tokens: int, world_size: int) -> list[int]:
 _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
-def expert_weight_filter(rank: int, world_size: int):
+def expert_weight_filter(rank: int, world_size: int, redundant: int = 0):
     """For load_model(tensor_filter=): a rank reads the checkpoint's tensors except other ranks' routed
     experts (so no process ever holds the whole model; MTP layers, which expert parallelism does
-    not run, are read whole)."""
+    not run, are read whole). With redundant copies: its initial copies too."""
 
     def for_config(config):
         moe = getattr(config, "moe", None)
         if moe is None:
             return lambda name: True
-        held = set(ExpertShard(moe.num_experts, world_size, rank).expert_ids)
+        held = set(ExpertPlacement.initial(moe.num_experts, world_size, rank, redundant).expert_ids)
         L = config.num_hidden_layers
 
         def keep(name: str) -> bool:

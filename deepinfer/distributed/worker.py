@@ -49,11 +49,13 @@ def build_runner(config, model_source: str, device, dtype_name: str, rank: int, 
     from deepinfer.engine.model_runner import ModelRunner
 
     if loaded is None:  # this rank's experts only
-        loaded = load_model(model_source, cache_dir=config.cache_dir, tensor_filter=expert_weight_filter(rank, world))
+        loaded = load_model(model_source, cache_dir=config.cache_dir,
+                            tensor_filter=expert_weight_filter(rank, world, config.expert_parallel_redundant))
     sharded = []
     runner = ModelRunner(config, loaded.config, loaded.weights, device, getattr(torch, dtype_name),
                          model_hook=lambda m: sharded.append(
-                             shard_model(m, rank, world, config.expert_parallel_dispatch, stats)))
+                             shard_model(m, rank, world, config.expert_parallel_dispatch, stats,
+                                         redundant=config.expert_parallel_redundant)))
     del loaded
     return runner, dict(num_blocks=runner.num_blocks, kv_bytes_per_token=runner.kv_bytes_per_token,
                         weight_bytes=runner.weight_bytes(), precision=runner.precision,
@@ -73,6 +75,10 @@ def execute(runner, stats, msg, want_logits: bool):
     if op == "copy_kv":
         runner.copy_kv_tokens(*msg[1:])
         return None
+    if op == "rebalance":
+        from deepinfer.distributed.eplb import rebalance
+
+        return rebalance(runner.model, msg[1], msg[2])
     if op == "stats":
         out = stats.as_dict()
         if msg[1]:

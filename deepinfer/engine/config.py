@@ -75,6 +75,11 @@ class EngineConfig:
     expert_parallel_size: int = 1
     expert_parallel_dispatch: str = "normal"  # "normal" (count exchange, uneven all-to-all) | "low_latency"
     expert_parallel_timeout: float = 60.0  # seconds a collective (or a worker's step) may wait on a peer
+    # redundant experts (EPLB): this many extra expert copies per MoE layer (a multiple of the size),
+    # re-placed onto the hottest experts from measured load every `rebalance_interval` forward steps
+    # (0: only when Engine.rebalance_experts() is called)
+    expert_parallel_redundant: int = 0
+    expert_parallel_rebalance_interval: int = 0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -133,6 +138,10 @@ class EngineConfig:
         if not (isinstance(self.expert_parallel_timeout, (int, float)) and not isinstance(self.expert_parallel_timeout, bool)
                 and self.expert_parallel_timeout > 0):
             raise bad(f"expert_parallel_timeout must be a number of seconds > 0, got {self.expert_parallel_timeout!r}")
+        for name in ("expert_parallel_redundant", "expert_parallel_rebalance_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(f"{name} must be an int >= 0, got {v!r}")
         if self.grammar_backend not in ("xgrammar", "llguidance", "outlines"):
             raise bad(f"grammar_backend must be 'xgrammar', 'llguidance' or 'outlines', got {self.grammar_backend!r}")
 

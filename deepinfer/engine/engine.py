@@ -413,6 +413,16 @@ class Engine:
         self.close()
         return outputs
 
+    def rebalance_experts(self) -> dict:
+        """Expert parallelism with expert_parallel_redundant > 0: re-place the redundant expert copies
+        onto the experts most loaded since the last call (also done every
+        expert_parallel_rebalance_interval steps); returns {layer: {"slots", "load"}}."""
+        self._require_driver()
+        if not hasattr(self.runner, "rebalance_experts"):
+            raise ExpertParallelConfigError("rebalance_experts needs expert_parallel_size > 1")
+        self._drain()
+        return self.runner.rebalance_experts()
+
     def close(self) -> None:
         """Stop the worker processes (expert parallelism) and the forward thread; idempotent."""
         if hasattr(self.runner, "close"):

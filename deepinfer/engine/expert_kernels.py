@@ -93,6 +93,16 @@ def _stack_in_place(block) -> tuple[torch.Tensor, torch.Tensor]:
     return gu, down
 
 
+def repack(block):
+    """The block's expert kernel rebuilt over the experts it holds now (after MoeBlock.swap_experts)."""
+    k = block.expert_kernel
+    if isinstance(k, NativeExperts):
+        return NativeExperts(*block.stacked_expert_weights())
+    if isinstance(k, TileLangExperts):
+        return TileLangExperts(*_stack_in_place(block))
+    raise TypeError(f"repack: unknown expert kernel {type(k).__name__}")
+
+
 def install_expert_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str = "auto",
                            cpu_prepack: bool = True) -> int:
     """Install the grouped expert kernel for this device in every MoeBlock of model; returns how many

@@ -104,6 +104,34 @@ class MoeBlock(nn.Module):
         self.expert_down = nn.ParameterList(self.expert_down[held[e]] for e in expert_ids)
         self._set_local_experts(list(expert_ids))
 
+    def swap_experts(self, expert_ids, fetch) -> None:
+        """Hold exactly expert_ids (distinct global ids), after load: experts held now keep their
+        weights, the others come from fetch(e) -> (gate_up [2I, H], down [H, I]); the expert kernel is
+        then repacked. Expert parallelism: moving redundant copies (distributed/eplb.py). Needs an
+        expert kernel on CPU (the per-expert path's weights are packed by the linear, keyed by address)."""
+        from deepinfer.engine.expert_kernels import repack
+
+        ref = self.expert_gate_up[0] if len(self.expert_gate_up) else self.gate_weight
+        if self.expert_kernel is None and ref.device.type == "cpu":
+            raise MoeConfigError("swap_experts needs the grouped expert kernel on CPU (kernels='auto', cpu_prepack=True)")
+        held = {e: i for i, e in enumerate(self.local_experts)}
+        gate_up, down = [], []
+        for e in expert_ids:
+            if e in held:
+                gate_up.append(self.expert_gate_up[held[e]])
+                down.append(self.expert_down[held[e]])
+                continue
+            gu, dn = fetch(e)
+            if tuple(gu.shape) != (2 * self.inter, self.hidden) or tuple(dn.shape) != (self.hidden, self.inter):
+                raise MoeConfigError(f"swap_experts: expert {e} weights have shapes {tuple(gu.shape)}, {tuple(dn.shape)}")
+            gate_up.append(nn.Parameter(gu.to(ref.device, ref.dtype).contiguous(), requires_grad=False))
+            down.append(nn.Parameter(dn.to(ref.device, ref.dtype).contiguous(), requires_grad=False))
+        self._set_local_experts(list(expert_ids))
+        self.expert_gate_up = nn.ParameterList(gate_up)
+        self.expert_down = nn.ParameterList(down)
+        if self.expert_kernel is not None:
+            self.set_expert_kernel(repack(self))
+
     # ---- routing --------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64), slots ordered by descending choice score."""
