@@ -20,6 +20,13 @@ so wall times compare process layouts, not a cluster; the byte counts and the sp
 docs/SCALING.md builds on.
 
     python benchmarks/expert_parallel.py [--eps 1 2 4] [--batch 16] [--new-tokens 8] [--layers 4]
+        [--eplb N]
+
+--eplb N: redundant experts on a router skewed onto 4 hot experts (choice bias +0.3 on experts
+E-4..E-1, all on the last rank), at EP = N with R = 0, N and 2N copies: after one batch measures
+the load and `rebalance_experts()` re-places the copies, a second batch is timed. Printed: the
+busiest rank's share of the (token, slot) pairs over the mean (1.00 = balanced), decode step time,
+and the busiest rank's expert GEMM time per step.
 """
 
 from __future__ import annotations
@@ -136,12 +143,52 @@ def run(path: str, ep: int, mode: str, batch: int, new: int, vocab: int) -> dict
         eng.close()
 
 
+def skewed(path: str, root: str) -> str:
+    """A copy of the model whose router prefers experts E-4..E-1 (choice bias +0.3)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = os.path.join(root, "v3_skewed")
+    shutil.copytree(path, out)
+    w = load_file(os.path.join(out, "model.safetensors"))
+    for n in w:
+        if n.endswith("e_score_correction_bias"):
+            w[n][E - 4 :] += 0.3
+    save_file(w, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def run_eplb(path: str, ep: int, redundant: int, batch: int, new: int, vocab: int) -> dict:
+    kw = dict(kv_cache_memory=64 << 20, block_size=16, max_num_batched_tokens=max(256, batch * 16))
+    g = torch.Generator().manual_seed(2)
+    sp = SamplingParams(temperature=0, max_tokens=new + 1, ignore_eos=True)
+    with Engine(path, expert_parallel_size=ep, expert_parallel_redundant=redundant, **kw) as eng:
+        eng.generate([torch.randint(3, vocab, (16,), generator=g).tolist() for _ in range(batch)], sp)  # the load
+        if redundant:
+            eng.rebalance_experts()
+        for _ in range(batch):
+            eng.add_request(torch.randint(3, vocab, (16,), generator=g).tolist(), sp)
+        eng.step()  # the prefill
+        eng.runner.comm_stats(reset=True)
+        steps, t0 = 0, time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+        wall = (time.perf_counter() - t0) / steps
+        st = eng.runner.comm_stats()
+    pairs = [s["expert_pairs"] for s in st]
+    return dict(R=redundant, imbalance=max(pairs) / (sum(pairs) / ep), wall=wall,
+                expert=max(s["expert_s"] for s in st) / steps, pairs=pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--eps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--eplb", type=int, default=0, metavar="N", help="also: redundant experts at EP=N (skewed router)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
         path = build(root, args.layers)
@@ -184,6 +231,15 @@ def main() -> None:
                       f"{K} slots (uniform routing: D={(r['ep'] - 1) * (1 - math.comb(E - E // r['ep'], K) / math.comb(E, K)):.2f}, "
                       f"P={K * (r['ep'] - 1) / r['ep']:.2f}); replicated attention's all-gather adds "
                       f"{r['gather_per_token']:.0f} B/token/layer")
+        if args.eplb:
+            sk = skewed(path, root)
+            N = args.eplb
+            print(f"redundant experts, EP={N}, router skewed onto experts {E - 4}..{E - 1} (rank {N - 1}'s): "
+                  f"copies re-placed after one batch, the next timed")
+            print(f"{'R':>3} {'busiest/mean pairs':>18} {'step ms':>8} {'busiest expert ms':>17}  pairs per rank")
+            for R in (0, N, 2 * N):
+                r = run_eplb(sk, N, R, args.batch, args.new_tokens, vocab)
+                print(f"{R:>3} {r['imbalance']:>18.2f} {r['wall'] * 1e3:>8.1f} {r['expert'] * 1e3:>17.2f}  {r['pairs']}")
 
 
 if __name__ == "__main__":

@@ -117,21 +117,53 @@ def make_ep_runner(config, model_config, loaded, device: torch.device, dtype: to
     return EpRunner(config, model_config, loaded.source, device, dtype)
 
 
-class EpRunner:
-    def __init__(self, config, model_config, model_source: str, device: torch.device, dtype: torch.dtype):
-        N = config.expert_parallel_size
-        check_ep_config(config, model_config)
+class RankRunners:
+    """What the engine sees of a runner whose model lives on several ranks (EpRunner, GroupRunner):
+    the ModelRunner interface; subclasses send the work."""
+
+    info: list[dict]
+    _forwards = 0
+
+    def __init__(self, config, model_config, model_source: str, device: torch.device, dtype: torch.dtype, N: int):
         self.config = config
         self.model_config = model_config
+        self.model_source = model_source
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
         self.world_size = N
         self.timeout = float(config.expert_parallel_timeout)
         self.failure: DistributedWorkerError | None = None
-        self.model_source = model_source
-        self._forwards = 0
         self._rebalance_every = config.expert_parallel_rebalance_interval if config.expert_parallel_redundant else 0
+
+    def weight_bytes(self) -> int:
+        return sum(i["weight_bytes"] for i in self.info)
+
+    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        return batch  # each rank prepares its own attention metadata
+
+    def measure_forward_cost(self, *a, **kw):
+        raise ExpertParallelConfigError("expert parallelism does not measure forward costs (speculation is off)")
+
+    def _begin_forward(self, batch: ForwardBatch, prev_tokens, num_layers) -> torch.Tensor:
+        """The step's input ids for the ranks; every expert_parallel_rebalance_interval steps, first a
+        re-placement of the redundant experts."""
+        if num_layers is not None:
+            raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
+        self._forwards += 1
+        if self._rebalance_every and self._forwards % self._rebalance_every == 0:
+            self.rebalance_experts()
+        return resolve_placeholders(batch, prev_tokens)
+
+    def rebalance_experts(self) -> dict:
+        raise NotImplementedError
+
+
+class EpRunner(RankRunners):
+    def __init__(self, config, model_config, model_source: str, device: torch.device, dtype: torch.dtype):
+        N = config.expert_parallel_size
+        check_ep_config(config, model_config)
+        super().__init__(config, model_config, model_source, device, dtype, N)
         config = with_kv_budget(config, device, N)
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // N)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -162,20 +194,9 @@ class EpRunner:
         self.pids = [i["pid"] for i in infos]
 
     # ---- the ModelRunner interface the engine uses --------------------------------------------------
-    def weight_bytes(self) -> int:
-        return sum(i["weight_bytes"] for i in self.info)
-
-    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
-        return batch  # each worker prepares its own attention metadata
-
     def forward(self, batch: ForwardBatch, prev_tokens: torch.Tensor | None = None,
                 num_layers: int | None = None) -> torch.Tensor:
-        if num_layers is not None:
-            raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
-        ids = resolve_placeholders(batch, prev_tokens)
-        self._forwards += 1
-        if self._rebalance_every and self._forwards % self._rebalance_every == 0:
-            self.rebalance_experts()
+        ids = self._begin_forward(batch, prev_tokens, num_layers)
         first = pack_batch(batch, input_ids=ids)
         rest = pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))  # logits on rank 0 only
         self._send_all([("forward", first)] + [("forward", rest)] * (self.world_size - 1))
@@ -190,9 +211,6 @@ class EpRunner:
         """Re-place the redundant expert copies from the load measured since the last time (eplb.py)."""
         self._send_all([("rebalance", self.model_source, self.config.cache_dir)] * self.world_size)
         return self._collect("an expert rebalance", STARTUP_TIMEOUT_S)[0]
-
-    def measure_forward_cost(self, *a, **kw):
-        raise ExpertParallelConfigError("expert parallelism does not measure forward costs (speculation is off)")
 
     def comm_stats(self, reset: bool = False) -> list[dict]:
         """Per rank: bytes sent and seconds in dispatch, combine, gather, expert GEMMs, MoE layers, forwards."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.distributed.dispatch import CommStats
-from deepinfer.distributed.ep_runner import STARTUP_TIMEOUT_S, STALE_HEARTBEAT_S, resolve_placeholders, with_kv_budget
+from deepinfer.distributed.ep_runner import STARTUP_TIMEOUT_S, STALE_HEARTBEAT_S, RankRunners, with_kv_budget
 from deepinfer.distributed.wire import pack_batch
 from deepinfer.distributed.worker import HEARTBEAT_S, build_runner, execute
 from deepinfer.engine.forward_batch import ForwardBatch
@@ -100,22 +100,13 @@ def _wait_key(store: dist.Store, key: str, timeout: float, alive=None) -> bytes:
             alive()
 
 
-class GroupRunner:
+class GroupRunner(RankRunners):
     """Rank 0's runner: the ModelRunner interface the engine uses, over the whole group."""
 
     def __init__(self, config, model_config, loaded, device: torch.device, dtype: torch.dtype):
         N = dist.get_world_size()
-        self.config = config = with_kv_budget(config, device, N)
-        self.model_config = model_config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = config.block_size
-        self.world_size = N
-        self.timeout = float(config.expert_parallel_timeout)
-        self.failure: DistributedWorkerError | None = None
-        self.model_source = loaded.source
-        self._forwards = 0
-        self._rebalance_every = config.expert_parallel_rebalance_interval if config.expert_parallel_redundant else 0
+        super().__init__(config, model_config, loaded.source, device, dtype, N)
+        config = with_kv_budget(config, device, N)
         self.store = _store()
         self._seq = [0]  # next command number (a list: shared with the finaliser)
         self._read = 0  # commands below this every rank has read (their keys are deleted)
@@ -141,20 +132,9 @@ class GroupRunner:
         self.pids = [i["pid"] for i in infos]
 
     # ---- the ModelRunner interface the engine uses --------------------------------------------------
-    def weight_bytes(self) -> int:
-        return sum(i["weight_bytes"] for i in self.info)
-
-    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
-        return batch  # prepared by each rank's own runner
-
     def forward(self, batch: ForwardBatch, prev_tokens: torch.Tensor | None = None,
                 num_layers: int | None = None) -> torch.Tensor:
-        if num_layers is not None:
-            raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
-        ids = resolve_placeholders(batch, prev_tokens)
-        self._forwards += 1
-        if self._rebalance_every and self._forwards % self._rebalance_every == 0:
-            self.rebalance_experts()
+        ids = self._begin_forward(batch, prev_tokens, num_layers)
         self._put(("forward", pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))))
         try:
             logits = self.local.forward(self.local.prepare(dataclasses.replace(batch, input_ids=ids)))
@@ -175,9 +155,6 @@ class GroupRunner:
             return execute(self.local, self.stats, msg, want_logits=False)
         except Exception as e:  # noqa: BLE001 - its all_reduce failed: find the rank behind it
             self._blame(e, "an expert rebalance")
-
-    def measure_forward_cost(self, *a, **kw):
-        raise ExpertParallelConfigError("expert parallelism does not measure forward costs (speculation is off)")
 
     def comm_stats(self, reset: bool = False) -> list[dict]:
         """Per rank: bytes sent and seconds in dispatch, combine, gather, expert GEMMs, MoE layers, forwards."""

@@ -9,7 +9,6 @@ import time
 
 import psutil
 import pytest
-import torch
 
 from deepinfer import Engine, SamplingParams
 from deepinfer.errors import DistributedWorkerError, ExpertParallelConfigError

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
 
 import torch
 
