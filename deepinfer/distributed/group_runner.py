@@ -258,7 +258,12 @@ def serve(device: torch.device, loaded=None) -> None:
 
     try:
         while True:
-            msg = pickle.loads(_wait_key(store, f"cmd/{k}", float("inf"), driver_alive))
+            try:
+                msg = pickle.loads(_wait_key(store, f"cmd/{k}", float("inf"), driver_alive))
+            except (RuntimeError, dist.DistStoreError) as e:  # the store went with rank 0 (it hosts it
+                # when no launcher agent does)
+                raise DistributedWorkerError(f"expert-parallel rank {rank} lost the group's store (is rank 0 "
+                                             f"gone?): {type(e).__name__}: {e}", rank=0) from e
             op = msg[0]
             if op == "close":
                 store.set(f"bye/{rank}", b"1")

@@ -1,6 +1,6 @@
 """Run by test_torchrun_group.py on every rank of a process group (torchrun, or RANK/WORLD_SIZE/
 MASTER_* set by hand): deepinfer.distributed.init() + Engine(expert_parallel_size=world).
-usage: group_script.py MODEL OUT {generate|kill}   (rank 0 writes OUT, rank r > 0 writes OUT.r)"""
+usage: group_script.py MODEL OUT {generate|kill|die0}   (rank 0 writes OUT, rank r > 0 writes OUT.r)"""
 
 import json
 import os
@@ -29,6 +29,9 @@ def main():
     model, out, mode = sys.argv[1:4]
     info = init(timeout_s=20)
     eng = Engine(model, expert_parallel_size=info.world_size, **KW)
+    if mode == "die0" and info.rank == 0:  # rank 0 dies hard right after start-up
+        eng.step()
+        os.kill(os.getpid(), signal.SIGKILL)
     if not eng.is_driver:
         try:
             eng.generate(PROMPTS[:1])

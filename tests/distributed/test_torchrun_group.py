@@ -55,14 +55,21 @@ def test_torchrun_two_ranks_equal_single_process(model, tmp_path):
     assert worker["rank"] == 1 and "takes no requests" in worker["refused"]
 
 
-def test_killed_rank_named_in_every_error(model, tmp_path):
-    out, port = tmp_path / "out.json", _free_port()
+def _launch(model, out, mode: str) -> list[subprocess.Popen]:
+    """The two ranks with torchrun's variables set by hand (no launcher agent to kill the rest)."""
+    port = _free_port()
     procs = []
     for rank in range(2):
         env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(model), str(out), "kill"], env=env,
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(model), str(out), mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def test_killed_rank_named_in_every_error(model, tmp_path):
+    out = tmp_path / "out.json"
+    procs = _launch(model, out, "kill")
     try:
         rc0 = procs[0].wait(timeout=600)
         err0 = procs[0].stderr.read()
@@ -77,3 +84,16 @@ def test_killed_rank_named_in_every_error(model, tmp_path):
     assert sorted(o[0] for o in res["outs"]) == sorted(res["ids"])
     for _, reason, error in res["outs"]:
         assert reason == "error" and "rank 1" in error, error
+
+
+def test_rank_leaves_when_rank_0_dies(model, tmp_path):
+    procs = _launch(model, tmp_path / "out.json", "die0")
+    try:
+        assert procs[0].wait(timeout=600) == -9
+        assert procs[1].wait(timeout=60) != 0  # never waits forever for a dead rank 0
+        err = procs[1].stderr.read()
+        assert "DistributedWorkerError" in err and "rank 0" in err, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
