@@ -45,14 +45,17 @@ class ExpertPlacement:
     """Where every copy of every routed expert lives (redundant experts, EPLB-style): N * S physical
     slots, rank r holding slots [r*S, (r+1)*S); `slots[p]` is the expert in slot p. Each rank's first
     E/N slots are its home experts (ExpertShard), the other R/N copies of experts it does not hold.
-    With R = 0 this is ExpertShard. A (token, slot) pair goes to one copy of its expert, picked by
-    (row + slot) mod copies: deterministic and spread. All copies have the same weights, so with a
-    row-invariant expert GEMM the output is bitwise that of any other copy."""
+    With R = 0 this is ExpertShard. Each copy has a share of its expert's pairs (`shares`: set from
+    the measured load so the ranks' loads level out; equal before any load), and a (token, slot) pair
+    goes to the copy its place in the batch picks (`choose`): deterministic, in proportion to the
+    shares. All copies have the same weights, so with a row-invariant expert GEMM the output is
+    bitwise that of any other copy."""
 
     num_experts: int
     world_size: int
     rank: int
     slots: tuple[int, ...]
+    shares: tuple[float, ...] | None = None  # per slot: its part of its expert's pairs (None: equal parts)
 
     @staticmethod
     def initial(num_experts: int, world_size: int, rank: int, redundant: int = 0) -> "ExpertPlacement":
@@ -65,14 +68,14 @@ class ExpertPlacement:
             raise ExpertParallelConfigError(
                 f"expert_parallel_redundant={redundant}: a rank can hold at most {E - E // N} copies of experts "
                 f"it does not own ({E} experts over {N} ranks)")
-        return ExpertPlacement(E, N, rank, _place(E, N, redundant, [0.0] * E))
+        return ExpertPlacement(E, N, rank, *_place(E, N, redundant, [0.0] * E))
 
     def rebalanced(self, load) -> "ExpertPlacement":
         """The placement for a measured per-expert load (tokens routed to each expert): the same
         number of copies, given to the hottest experts, on the least loaded ranks."""
         E = self.num_experts
         return ExpertPlacement(E, self.world_size, self.rank,
-                               _place(E, self.world_size, len(self.slots) - E, [float(x) for x in load]))
+                               *_place(E, self.world_size, len(self.slots) - E, [float(x) for x in load]))
 
     @property
     def per_rank(self) -> int:
@@ -98,12 +101,16 @@ class ExpertPlacement:
         return out
 
     def choose(self, idx):
-        """Physical slot [T, k] for each routed (row, slot) pair idx [T, k] of global expert ids."""
+        """Physical slot [T, k] for each routed (row, slot) pair idx [T, k] of global expert ids: pair
+        number i = row * k + slot takes the copy whose share interval holds frac((i + 1/2) * phi^-1)
+        (a low-discrepancy sequence: the copies get their shares of a batch's pairs, evenly spread)."""
         import torch
 
-        table, n = self._tables(idx.device)
+        table, cum = self._tables(idx.device)
         T, k = idx.shape
-        pick = (torch.arange(T, device=idx.device)[:, None] + torch.arange(k, device=idx.device)[None, :]) % n[idx]
+        i = torch.arange(T * k, device=idx.device, dtype=torch.float64).view(T, k)
+        u = torch.frac((i + 0.5) * 0.6180339887498949)
+        pick = (u[..., None] >= cum[idx]).sum(-1)
         return table[idx, pick]
 
     def _tables(self, device):
@@ -114,15 +121,18 @@ class ExpertPlacement:
             c = self.copies()
             width = max(len(v) for v in c.values())
             table = torch.zeros(self.num_experts, width, dtype=torch.long)
+            cum = torch.full((self.num_experts, width), 2.0, dtype=torch.float64)  # (2: never reached)
             for e, ps in c.items():
                 table[e, : len(ps)] = torch.tensor(ps)
-            n = torch.tensor([len(c[e]) for e in range(self.num_experts)], dtype=torch.long)
-            cached = (table.to(device), n.to(device))
+                part = [self.shares[p] for p in ps] if self.shares is not None else [1.0 / len(ps)] * len(ps)
+                edges = torch.tensor(part, dtype=torch.float64).cumsum(0)[:-1]  # upper edges but the last
+                cum[e, : len(ps) - 1] = edges
+            cached = (table.to(device), cum.to(device))
             object.__setattr__(self, "_t", cached)  # (frozen dataclass: a derived cache)
         return cached
 
 
-def _place(E: int, N: int, R: int, load: list[float]) -> tuple[int, ...]:
+def _place(E: int, N: int, R: int, load: list[float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Slots for R copies beyond the home experts: repeatedly, the rank with a free copy slot and the
     least load takes a copy of the hottest expert (load per copy) it does not hold; ties go to the
     expert with fewer copies, then the lower rank / expert id, so every rank computes the same
@@ -141,7 +151,49 @@ def _place(E: int, N: int, R: int, load: list[float]) -> tuple[int, ...]:
         e = max((e for e in range(E) if e not in mine), key=lambda e: (load[e] / copies[e], -copies[e], -e))
         copies[e] += 1
         held[r].append(e)
-    return tuple(e for r in range(N) for e in held[r])
+    slots = tuple(e for r in range(N) for e in held[r])
+    return slots, _shares(slots, S, N, load)
+
+
+def _shares(slots: tuple[int, ...], S: int, N: int, load: list[float]) -> tuple[float, ...]:
+    """Each copy's part of its expert's pairs: experts with one copy load their rank fully; then each
+    copied expert, hottest first, is water-filled over its copies' ranks (the least loaded ranks take
+    its pairs until their loads meet), so the busiest rank carries as little as the copies allow."""
+    where: dict[int, list[int]] = {}
+    for p, e in enumerate(slots):
+        where.setdefault(e, []).append(p)
+    rank_load = [0.0] * N
+    for e, ps in where.items():
+        if len(ps) == 1:
+            rank_load[ps[0] // S] += load[e]
+    shares = [1.0] * len(slots)
+    for e in sorted((e for e, ps in where.items() if len(ps) > 1), key=lambda e: (-load[e], e)):
+        ps = where[e]
+        if load[e] <= 0:
+            for p in ps:
+                shares[p] = 1.0 / len(ps)
+            continue
+        got = _water_fill([rank_load[p // S] for p in ps], load[e])
+        for p, a in zip(ps, got):
+            rank_load[p // S] += a
+            shares[p] = a / load[e]
+    return tuple(shares)
+
+
+def _water_fill(levels: list[float], total: float) -> list[float]:
+    """Amounts a_i >= 0 summing to total that raise the lowest levels to one common height."""
+    order = sorted(range(len(levels)), key=lambda i: levels[i])
+    height, left, filled = levels[order[0]], total, 1
+    for n in range(1, len(order) + 1):
+        filled = n
+        nxt = levels[order[n]] if n < len(order) else float("inf")
+        step = min(left / n, nxt - height)
+        height += step
+        left -= step * n
+        if left <= 1e-12 * max(1.0, total):
+            break
+    raised = set(order[:filled])
+    return [height - levels[i] if i in raised else 0.0 for i in range(len(levels))]
 
 
 def token_split(num_tokens: int, world_size: int) -> list[int]:
