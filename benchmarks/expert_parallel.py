@@ -5,8 +5,8 @@ MoE intermediate 256; `--layers` decoder layers, 4 by default to fit a shared 24
 For each configuration: a batch of `--batch` prompts of 16 tokens is prefilled in one step, then
 `--new-tokens` decode steps are timed. Per decode step: wall time seen by the engine, and the
 forward split into attention + dense parts (forward minus MoE layers), the local expert GEMMs, and
-communication (dispatch and combine all-to-alls, and the all-gather that replicated attention
-needs), averaged over ranks. Bytes sent per token per MoE layer are measured from the split sizes
+communication (dispatch and combine all-to-alls), averaged over ranks (attention is data-parallel:
+each rank runs its own sequences). Bytes sent per token per MoE layer are measured from the split sizes
 and checked against the formula:
 
     normal:      D * (H + k) * s + P * H * s          (D: other ranks a token goes to, P: its slots
@@ -123,20 +123,18 @@ def run(path: str, ep: int, mode: str, batch: int, new: int, vocab: int) -> dict
         out = dict(ep=ep, mode=mode, steps=steps, wall=wall, tokens=tokens)
         if ep > 1:
             st = eng.runner.comm_stats()
-            avg = {k: sum(s[k] for s in st) / ep for k in ("forward_s", "moe_s", "expert_s", "dispatch_s", "combine_s",
-                                                           "gather_s")}
+            avg = {k: sum(s[k] for s in st) / ep for k in ("forward_s", "moe_s", "expert_s", "dispatch_s", "combine_s")}
             out.update(forward=avg["forward_s"] / steps, expert=avg["expert_s"] / steps,
-                       comm=(avg["dispatch_s"] + avg["combine_s"] + avg["gather_s"]) / steps,
-                       gather=avg["gather_s"] / steps)
+                       comm=(avg["dispatch_s"] + avg["combine_s"]) / steps)
             out["attn"] = out["forward"] - avg["moe_s"] / steps
             tok = sum(s["tokens"] for s in st)  # (token, MoE layer) pairs dispatched
             a2a = sum(s["dispatch_bytes"] + s["combine_bytes"] + s["count_bytes"] for s in st)
-            out.update(bytes_per_token=a2a / tok, gather_per_token=sum(s["gather_bytes"] for s in st) / tok,
+            out.update(bytes_per_token=a2a / tok,
                        D=sum(s["remote_token_ranks"] for s in st) / tok, P=sum(s["remote_slots"] for s in st) / tok,
                        layer_calls=sum(s["moe_layers"] for s in st) / ep, tok=tok,
                        data_bytes=sum(s["dispatch_bytes"] + s["combine_bytes"] for s in st))
         else:
-            out.update(forward=wall, expert=timers.expert_s / steps, comm=0.0, gather=0.0,
+            out.update(forward=wall, expert=timers.expert_s / steps, comm=0.0,
                        attn=wall - timers.moe_s / steps)
         return out
     finally:
@@ -206,7 +204,7 @@ def main() -> None:
                 rows.append(run(path, ep, mode, args.batch, args.new_tokens, vocab))
         base = rows[0]
         print(f"{'EP':>3} {'mode':<12} {'step ms':>8} {'vs EP1':>7} {'attn+dense':>10} {'experts':>8} {'comm':>7} "
-              f"{'(gather)':>8} {'B/tok/layer':>11} {'formula':>9} {'uniform':>9} {'same tokens':>11}")
+              f"{'B/tok/layer':>11} {'formula':>9} {'uniform':>9} {'same tokens':>11}")
         for r in rows:
             bpt = r.get("bytes_per_token", 0.0)
             formula = uniform = 0.0
@@ -223,14 +221,13 @@ def main() -> None:
                 ok = abs(formula - bpt) <= 1e-6 * max(1.0, bpt)
                 assert ok, f"measured {bpt} B/token/layer != formula {formula}"
             print(f"{r['ep']:>3} {r['mode']:<12} {r['wall'] * 1e3:>8.1f} {base['wall'] / r['wall']:>6.2f}x "
-                  f"{r['attn'] * 1e3:>10.1f} {r['expert'] * 1e3:>8.1f} {r['comm'] * 1e3:>7.1f} {r['gather'] * 1e3:>8.1f} "
+                  f"{r['attn'] * 1e3:>10.1f} {r['expert'] * 1e3:>8.1f} {r['comm'] * 1e3:>7.1f} "
                   f"{bpt:>11.0f} {formula:>9.0f} {uniform:>9.0f} {str(r['tokens'] == base['tokens']):>11}")
         for r in rows:
             if r["ep"] > 1 and r["mode"] == "normal":
                 print(f"EP={r['ep']} normal: each token goes to D={r['D']:.2f} other ranks with P={r['P']:.2f} of its "
                       f"{K} slots (uniform routing: D={(r['ep'] - 1) * (1 - math.comb(E - E // r['ep'], K) / math.comb(E, K)):.2f}, "
-                      f"P={K * (r['ep'] - 1) / r['ep']:.2f}); replicated attention's all-gather adds "
-                      f"{r['gather_per_token']:.0f} B/token/layer")
+                      f"P={K * (r['ep'] - 1) / r['ep']:.2f})")
         if args.eplb:
             sk = skewed(path, root)
             N = args.eplb

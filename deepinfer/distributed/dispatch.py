@@ -47,13 +47,11 @@ class CommStats:
     tokens: int = 0  # tokens this rank dispatched (summed over MoE layer calls)
     dispatch_bytes: int = 0
     combine_bytes: int = 0
-    gather_bytes: int = 0  # replicated attention: the all-gather of MoE outputs (ep_model.py)
     count_bytes: int = 0  # normal mode's count exchange
     dispatch_s: float = 0.0
     combine_s: float = 0.0
-    gather_s: float = 0.0
     expert_s: float = 0.0  # the local expert GEMMs
-    moe_s: float = 0.0  # whole MoE layers (routing, shared expert, dispatch, experts, combine, gather)
+    moe_s: float = 0.0  # whole MoE layers (routing, shared expert, dispatch, experts, combine)
     forward_s: float = 0.0  # whole forward passes on this rank
     remote_token_ranks: int = 0  # normal mode: (token, other rank) pairs this rank's routing sent
     remote_slots: int = 0  # (token, slot) pairs whose expert lives on another rank

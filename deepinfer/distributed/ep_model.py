@@ -1,14 +1,11 @@
-"""A worker's model under expert parallelism: each MoeBlock keeps only its rank's experts and
-dispatches its tokens to the others' (dispatch.py).
+"""A rank's model under expert parallelism: each MoeBlock keeps only its rank's experts (and
+redundant copies) and dispatches this rank's tokens to the ranks holding their experts (dispatch.py).
 
-Attention is *replicated* in this version: every rank runs attention (and the dense layers) for the
-whole batch, with a full copy of the KV cache, so the engine's one block pool, radix cache and
-preemption work unchanged. What is data-parallel is the MoE layer's token side: rank r takes its
-contiguous share of the batch's rows (sharding.token_split), routes and dispatches only those, runs
-the shared expert on them, and an all-gather gives every rank the whole layer output again. So the
-expert GEMMs and the all-to-all traffic are what true attention data parallelism would have (each
-token dispatched once, by one rank); the attention work and KV memory are N times theirs, and the
-all-gather is the cost of replicating attention.
+Attention is data-parallel: a rank runs the whole model (embedding, attention, dense layers, router,
+shared experts) only for its own sequences (dp_split.py cuts the engine's step), and its MoE layers
+dispatch only its own rows, so no rank repeats another's work and no all-gather is needed. The KV
+block ids stay global, so every rank's KV pool has the engine's size (a rank writes only its
+sequences' blocks).
 """
 
 from __future__ import annotations
@@ -16,11 +13,10 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from deepinfer.distributed.dispatch import CommStats, make_dispatcher
-from deepinfer.distributed.sharding import ExpertPlacement, token_split
+from deepinfer.distributed.sharding import ExpertPlacement
 from deepinfer.engine.models.moe import MoeBlock
 
 
@@ -33,32 +29,19 @@ class ExpertParallelMoe(nn.Module):
         self.shard = shard
         self.stats = stats
         self.group = group
+        self.capacity = None  # the most rows any rank dispatches in this step (low_latency buffers)
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         t0 = time.perf_counter()
-        N, r = self.shard.world_size, self.shard.rank
-        sizes = token_split(x.shape[0], N)
-        lo = sum(sizes[:r])
-        own = x[lo : lo + sizes[r]]
-        cap = max(sizes)
-        self.block.dispatcher.capacity = cap
-        if sizes[r]:
-            y = self.block(own, meta)
-        else:  # no rows here: still take part in the layer's collectives
-            self.block.dispatcher(self.block, own, torch.empty(0, self.block.moe.top_k, dtype=torch.long,
-                                                               device=x.device), meta)
-            y = own
-        t1 = time.perf_counter()
-        pad = x.new_zeros(cap, x.shape[1])
-        pad[: sizes[r]] = y
-        parts = [torch.empty_like(pad) for _ in range(N)]
-        dist.all_gather(parts, pad, group=self.group)
-        out = torch.cat([p[:n] for p, n in zip(parts, sizes)], 0)
-        t2 = time.perf_counter()
-        self.stats.gather_bytes += (N - 1) * pad.numel() * pad.element_size()
-        self.stats.gather_s += t2 - t1
-        self.stats.moe_s += t2 - t0
-        return out
+        self.block.dispatcher.capacity = self.capacity
+        if x.shape[0]:
+            y = self.block(x, meta)
+        else:  # no rows here: still take part in the layer's collectives (and compute for the others)
+            self.block.dispatcher(self.block, x, torch.empty(0, self.block.moe.top_k, dtype=torch.long,
+                                                           device=x.device), meta)
+            y = x
+        self.stats.moe_s += time.perf_counter() - t0
+        return y
 
     def load(self, prefix: str, take, put) -> None:
         self.block.load(prefix, take, put)
@@ -91,3 +74,8 @@ def shard_model(model: nn.Module, rank: int, world_size: int, mode: str, stats: 
 def moe_layers(model: nn.Module) -> list[tuple[int, "ExpertParallelMoe"]]:
     return [(i, layer.mlp) for i, layer in enumerate(getattr(model, "layers", []))
             if isinstance(layer.mlp, ExpertParallelMoe)]
+
+
+def set_step_capacity(model: nn.Module, capacity: int) -> None:
+    for _, m in moe_layers(model):
+        m.capacity = capacity

@@ -1,9 +1,10 @@
 """The engine process's stand-in for ModelRunner under expert parallelism (make_ep_runner picks it, or
 group_runner.py inside a launched group): starts N worker processes
 (torch.multiprocessing, spawn), ships each step's ForwardBatch to all of them and returns rank 0's
-logits. The engine's scheduler, KV block pool and radix cache stay in the engine process; every
-worker holds a KV cache of the same shape and writes the same slots (replicated attention,
-ep_model.py), so block ids mean the same on every rank.
+logits. The engine's scheduler, KV block pool and radix cache stay in the engine process; each step
+is cut into one sub-batch per rank (dp_split.py: attention is data-parallel, a sequence runs where
+its KV is) and the ranks' logits rows are put back together in the step's order. Every rank's KV
+pool has the engine's block count, so block ids mean the same on every rank.
 
 Faults: every reply is awaited together with every worker's process sentinel, up to
 expert_parallel_timeout. A worker that exits ends the engine at once, named by rank; one that
@@ -125,6 +126,9 @@ class RankRunners:
     _forwards = 0
 
     def __init__(self, config, model_config, model_source: str, device: torch.device, dtype: torch.dtype, N: int):
+        from deepinfer.distributed.dp_split import RankSplit
+
+        self.split = RankSplit(N)  # which rank runs which sequence (attention data parallelism)
         self.config = config
         self.model_config = model_config
         self.model_source = model_source
@@ -145,15 +149,28 @@ class RankRunners:
     def measure_forward_cost(self, *a, **kw):
         raise ExpertParallelConfigError("expert parallelism does not measure forward costs (speculation is off)")
 
-    def _begin_forward(self, batch: ForwardBatch, prev_tokens, num_layers) -> torch.Tensor:
-        """The step's input ids for the ranks; every expert_parallel_rebalance_interval steps, first a
+    def _begin_forward(self, batch: ForwardBatch, prev_tokens, num_layers):
+        """The step cut into one sub-batch per rank (None: idle), the logits rows each rank's rows
+        fill, and the step's capacity; every expert_parallel_rebalance_interval steps, first a
         re-placement of the redundant experts."""
+        from deepinfer.distributed.dp_split import step_capacity
+
         if num_layers is not None:
             raise ExpertParallelConfigError("expert parallelism does not run early-exit (partial) forwards")
         self._forwards += 1
         if self._rebalance_every and self._forwards % self._rebalance_every == 0:
             self.rebalance_experts()
-        return resolve_placeholders(batch, prev_tokens)
+        subs, rows = self.split.split(dataclasses.replace(batch, input_ids=resolve_placeholders(batch, prev_tokens)))
+        return subs, rows, step_capacity(subs)
+
+    def _merge_logits(self, parts: list, rows: list[torch.Tensor]) -> torch.Tensor:
+        """The whole step's logits from each rank's rows."""
+        n = sum(int(r.numel()) for r in rows)
+        out = torch.empty(n, self.model_config.vocab_size, dtype=torch.float32)
+        for part, r in zip(parts, rows):
+            if r.numel():
+                out[r] = part[: r.numel()].to(out.dtype).cpu()
+        return out.to(self.device)
 
     def rebalance_experts(self) -> dict:
         raise NotImplementedError
@@ -196,14 +213,13 @@ class EpRunner(RankRunners):
     # ---- the ModelRunner interface the engine uses --------------------------------------------------
     def forward(self, batch: ForwardBatch, prev_tokens: torch.Tensor | None = None,
                 num_layers: int | None = None) -> torch.Tensor:
-        ids = self._begin_forward(batch, prev_tokens, num_layers)
-        first = pack_batch(batch, input_ids=ids)
-        rest = pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))  # logits on rank 0 only
-        self._send_all([("forward", first)] + [("forward", rest)] * (self.world_size - 1))
+        subs, rows, cap = self._begin_forward(batch, prev_tokens, num_layers)
+        self._send_all([("forward", pack_batch(sb) if sb is not None else None, cap) for sb in subs])
         out = self._collect("a forward step", self.timeout)
-        return unpack_tensor(out[0]).to(self.device)
+        return self._merge_logits([unpack_tensor(o) for o in out], rows)
 
     def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
+        self.split.copied(src_block, dst_block)
         self._send_all([("copy_kv", src_block, dst_block, n)] * self.world_size)
         self._collect("a KV copy", self.timeout)
 
@@ -213,7 +229,7 @@ class EpRunner(RankRunners):
         return self._collect("an expert rebalance", STARTUP_TIMEOUT_S)[0]
 
     def comm_stats(self, reset: bool = False) -> list[dict]:
-        """Per rank: bytes sent and seconds in dispatch, combine, gather, expert GEMMs, MoE layers, forwards."""
+        """Per rank: bytes sent and seconds in dispatch, combine, expert GEMMs, MoE layers, forwards."""
         self._send_all([("stats", reset)] * self.world_size)
         return self._collect("stats", self.timeout)
 

@@ -19,7 +19,6 @@ under a launcher that does not clean up), so no rank waits forever.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import pickle
 import threading
@@ -125,7 +124,7 @@ class GroupRunner(RankRunners):
         if len({i["num_blocks"] for i in infos}) != 1:
             self.close()
             raise ExpertParallelConfigError(f"ranks sized different KV pools: {[i['num_blocks'] for i in infos]}")
-        self.num_blocks = self.local.num_blocks
+        self.num_blocks = infos[0]["num_blocks"]  # (the pool less its scratch block)
         self.kv_bytes_per_token = self.local.kv_bytes_per_token
         self.bytes_per_block = self.block_size * self.kv_bytes_per_token
         self.precision = self.local.precision
@@ -134,16 +133,20 @@ class GroupRunner(RankRunners):
     # ---- the ModelRunner interface the engine uses --------------------------------------------------
     def forward(self, batch: ForwardBatch, prev_tokens: torch.Tensor | None = None,
                 num_layers: int | None = None) -> torch.Tensor:
-        ids = self._begin_forward(batch, prev_tokens, num_layers)
-        self._put(("forward", pack_batch(batch, input_ids=ids, logit_rows=torch.empty(0, dtype=torch.long))))
+        subs, rows, cap = self._begin_forward(batch, prev_tokens, num_layers)
+        most = max(int(r.numel()) for r in rows)
+        packed = [pack_batch(sb) if sb is not None else None for sb in subs]
+        self._put(("forward", packed, cap, most))
         try:
-            logits = self.local.forward(self.local.prepare(dataclasses.replace(batch, input_ids=ids)))
+            mine = execute(self.local, self.stats, ("forward", packed[0], cap), want_logits=False)
+            parts = _gather_logits(mine, most, self.world_size)
         except Exception as e:  # noqa: BLE001 - a collective failed: find the rank behind it
             self._blame(e, "a forward step")
         self._forget_read()
-        return logits
+        return self._merge_logits(parts, rows)
 
     def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
+        self.split.copied(src_block, dst_block)
         self._put(("copy_kv", src_block, dst_block, n))
         self.local.copy_kv_tokens(src_block, dst_block, n)
 
@@ -157,7 +160,7 @@ class GroupRunner(RankRunners):
             self._blame(e, "an expert rebalance")
 
     def comm_stats(self, reset: bool = False) -> list[dict]:
-        """Per rank: bytes sent and seconds in dispatch, combine, gather, expert GEMMs, MoE layers, forwards."""
+        """Per rank: bytes sent and seconds in dispatch, combine, expert GEMMs, MoE layers, forwards."""
         k = self._put(("stats", reset))
         mine = execute(self.local, self.stats, ("stats", reset), want_logits=False)
         return [mine] + [self._reply(f"reply/{k}/{r}", r, "stats", self.timeout) for r in range(1, self.world_size)]
@@ -241,6 +244,17 @@ class GroupRunner(RankRunners):
         raise self.failure
 
 
+def _gather_logits(logits: torch.Tensor, most: int, world: int) -> list[torch.Tensor] | None:
+    """Every rank's logits rows on rank 0 (padded to the step's most rows; None elsewhere)."""
+    if most == 0:
+        return [logits[:0]] * world if dist.get_rank() == 0 else None
+    pad = logits.new_zeros(most, logits.shape[1])
+    pad[: logits.shape[0]] = logits
+    parts = [torch.empty_like(pad) for _ in range(world)] if dist.get_rank() == 0 else None
+    dist.gather(pad, parts, dst=0)
+    return parts
+
+
 def serve(device: torch.device, loaded=None) -> None:
     """A torchrun rank other than 0: run rank 0's commands until it closes its engine (or stops
     beating for longer than the group timeout, or a command fails: then raise, naming this rank)."""
@@ -280,6 +294,9 @@ def serve(device: torch.device, loaded=None) -> None:
                                                  loaded=mine)
                     del mine
                     store.set(f"about/{rank}", pickle.dumps(("ok", about)))
+                elif op == "forward":  # ("forward", every rank's sub-batch, capacity, most logits rows)
+                    logits = execute(runner, stats, ("forward", msg[1][rank], msg[2]), want_logits=False)
+                    _gather_logits(logits, msg[3], dist.get_world_size())
                 elif op == "stats":
                     store.set(f"reply/{k}/{rank}", pickle.dumps(("ok", execute(runner, stats, msg, want_logits=False))))
                 else:

@@ -57,7 +57,9 @@ def build_runner(config, model_source: str, device, dtype_name: str, rank: int, 
                              shard_model(m, rank, world, config.expert_parallel_dispatch, stats,
                                          redundant=config.expert_parallel_redundant)))
     del loaded
-    return runner, dict(num_blocks=runner.num_blocks, kv_bytes_per_token=runner.kv_bytes_per_token,
+    # the pool's last block is this rank's scratch block (dp_split.scratch_batch), never the engine's
+    runner.ep_scratch_block = runner.num_blocks - 1
+    return runner, dict(num_blocks=runner.num_blocks - 1, kv_bytes_per_token=runner.kv_bytes_per_token,
                         weight_bytes=runner.weight_bytes(), precision=runner.precision,
                         moe_layers=sharded[0], pid=os.getpid())
 
@@ -67,11 +69,16 @@ def execute(runner, stats, msg, want_logits: bool):
     from deepinfer.distributed.wire import pack_tensor, unpack_batch
 
     op = msg[0]
-    if op == "forward":
+    if op == "forward":  # ("forward", this rank's sub-batch or None (idle), the step's capacity)
+        from deepinfer.distributed.dp_split import scratch_batch
+        from deepinfer.distributed.ep_model import set_step_capacity
+
         t0 = time.perf_counter()
-        logits = runner.forward(runner.prepare(unpack_batch(msg[1])))
+        batch = unpack_batch(msg[1]) if msg[1] is not None else scratch_batch(runner.ep_scratch_block, runner.block_size)
+        set_step_capacity(runner.model, msg[2])
+        logits = runner.forward(runner.prepare(batch))
         stats.forward_s += time.perf_counter() - t0
-        return pack_tensor(logits) if want_logits else None
+        return pack_tensor(logits) if want_logits else logits
     if op == "copy_kv":
         runner.copy_kv_tokens(*msg[1:])
         return None
@@ -117,7 +124,7 @@ def worker_main(rank: int, world: int, rendezvous: str, config, model_source: st
                 clean = True
                 break
             try:
-                conn.send(("ok", execute(runner, stats, msg, want_logits=rank == 0)))
+                conn.send(("ok", execute(runner, stats, msg, want_logits=True)))
             except Exception as e:  # noqa: BLE001 - a failed collective leaves the group unusable: report, exit
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
                 break

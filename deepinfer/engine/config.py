@@ -71,7 +71,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
     cache_dir: str | None = None  # where converted models are cached
     # expert parallelism (deepinfer/distributed): N worker processes hold the weights, each only
-    # n_routed_experts / N of every MoE layer's experts; attention is replicated on every worker
+    # n_routed_experts / N of every MoE layer's experts; attention is data-parallel (each rank runs its
+    # own sequences)
     expert_parallel_size: int = 1
     expert_parallel_dispatch: str = "normal"  # "normal" (count exchange, uneven all-to-all) | "low_latency"
     expert_parallel_timeout: float = 60.0  # seconds a collective (or a worker's step) may wait on a peer

@@ -1,4 +1,5 @@
-"""Expert-parallel dispatch / combine alone: 2 gloo processes against the single-process MoeBlock."""
+"""Expert-parallel dispatch / combine alone: 2 gloo processes, each with its share of the rows (as
+data-parallel attention gives them), against the single-process MoeBlock."""
 
 from __future__ import annotations
 
@@ -81,7 +82,11 @@ def _worker(rank: int, world: int, rdv: str) -> None:
                     b.hold_experts(shard.expert_ids)
                     assert len(b.expert_gate_up) == 8 // world
                     b.dispatcher = make_dispatcher(mode, shard, stats)
-                    out = ExpertParallelMoe(b, shard, stats)(x, ctx)
+                    sizes = token_split(T, world)  # data-parallel attention: each rank brings its own rows
+                    lo = sum(sizes[:rank])
+                    layer = ExpertParallelMoe(b, shard, stats)
+                    layer.capacity = max(sizes)
+                    out = layer(x[lo : lo + sizes[rank]], ctx)
                     outs[mode] = out
                     if mode == "normal":  # bytes sent off this rank, from the routing of its own rows
                         sizes = token_split(T, world)
@@ -94,11 +99,14 @@ def _worker(rank: int, world: int, rdv: str) -> None:
                         assert stats.combine_bytes == int((others == rank).sum()) * H * 4  # pair outputs sent back
                 if biased:
                     assert (idx_ref // shard.per_rank == world - 1).all()
+                sizes = token_split(T, world)
+                lo = sum(sizes[:rank])
+                mine = ref[lo : lo + sizes[rank]]
                 for mode, out in outs.items():
                     if invariant:
-                        assert torch.equal(out, ref), (kind, T, mode, (out - ref).abs().max())
+                        assert torch.equal(out, mine), (kind, T, mode, (out - mine).abs().max())
                     else:
-                        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+                        torch.testing.assert_close(out, mine, rtol=1e-5, atol=1e-5)
                 if invariant:
                     assert torch.equal(outs["normal"], outs["low_latency"])
     finally:

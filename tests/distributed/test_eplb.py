@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from deepinfer.distributed.dispatch import CommStats, make_dispatcher
 from deepinfer.distributed.ep_model import ExpertParallelMoe
-from deepinfer.distributed.sharding import ExpertPlacement, ExpertShard
+from deepinfer.distributed.sharding import ExpertPlacement, ExpertShard, token_split
 from deepinfer.errors import ExpertParallelConfigError
 
 
@@ -88,8 +88,12 @@ def _worker(rank: int, world: int, rdv: str) -> None:
                         b = td._block(kind, hot)
                         b.hold_experts(placement.expert_ids)
                         b.dispatcher = make_dispatcher(mode, placement, stats)
-                        out = ExpertParallelMoe(b, placement, stats)(x, ctx)
-                        assert torch.equal(out, ref), (kind, T, mode, placement.slots)
+                        sizes = token_split(T, world)  # each rank brings its own rows
+                        lo = sum(sizes[:rank])
+                        layer = ExpertParallelMoe(b, placement, stats)
+                        layer.capacity = max(sizes)
+                        out = layer(x[lo : lo + sizes[rank]], ctx)
+                        assert torch.equal(out, ref[lo : lo + sizes[rank]]), (kind, T, mode, placement.slots)
                         if mode == "normal" and rank == 0 and placement is not initial:
                             # rank 0 computes for rank 1 only once it holds a hot copy (moved: all of expert 4's pairs)
                             assert (stats.combine_bytes > 0) == (placement is moved)
