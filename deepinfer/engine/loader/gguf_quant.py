@@ -1,4 +1,4 @@
-"""GGUF tensors in the block formats the native kernels read (Q4_0, Q4_1, Q8_0), kept as stored.
+"""GGUF tensors in the block formats the native kernels read (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), kept as stored.
 
 `quantized_weights(path, config)` returns HF name -> QuantWeight (the file's bytes, copied out of the
 mapping once; llama files' q/k rows unpermuted, which moves whole rows of blocks). Tensors in other
