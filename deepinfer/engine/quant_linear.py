@@ -24,6 +24,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from deepinfer.engine.placeholder import is_placeholder, placeholder
+from deepinfer.errors import ModelLoadError
 from deepinfer_kernels import quant
 
 # int8 mode: rows from which a call runs the exact panel kernel instead (see benchmarks/quant_kernels.py);
@@ -63,10 +65,6 @@ class QuantLinear:
         return sum(q.nbytes for q in self.table.values())
 
 
-def _placeholder(shape: tuple[int, int]) -> torch.Tensor:
-    return torch.full((1, 1), float("nan")).expand(*shape)
-
-
 def install_quantized(model, quantized: Mapping[str, quant.QuantWeight], mode: str = "int8",
                       invariant: bool = False) -> QuantLinear | None:
     """Replace the model's projections (and a quantised embedding) by placeholders backed by the
@@ -81,11 +79,16 @@ def install_quantized(model, quantized: Mapping[str, quant.QuantWeight], mode: s
         qw = parts[0] if len(parts) == 1 else quant.cat_rows(parts)
         if qw.shape != tuple(param.shape):
             continue
-        ph = _placeholder(qw.shape)
+        ph = placeholder(qw.shape)
         if param is model.embed_tokens:
             embed = qw
         param.data = ph
         table[ph.data_ptr()] = qw
+    # the loader hands out placeholders only for what this installs; one left over would compute NaN
+    left = [names[0] for param, names in model.projection_sources()
+            if is_placeholder(param.data) and param.data.data_ptr() not in table]
+    if left:
+        raise ModelLoadError(f"no quantised blocks for the placeholder weights of {left[:3]}")
     if not table:
         return None
     if embed is not None:
