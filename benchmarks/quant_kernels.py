@@ -32,13 +32,18 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--formats", nargs="+", default=["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help=f"of {list(SHAPES)}")
+    ap.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     byname = {v[0]: k for k, v in quant.FORMATS.items()}
     print(f"threads={torch.get_num_threads()} avx2={quant.cpu_level()} PANEL_M={quant.PANEL_M}")
     print(f"{'shape':>17} {'fmt':>5} {'M':>4} {'fp32 ms':>8} {'row ex':>8} {'panel':>8} {'row i8':>8} "
           f"{'panel1':>8} {'deq+dnn':>8} {'fp32/panel':>10} {'fp32/panel1':>11} {'fp32/best q':>11}")
     gen = torch.Generator().manual_seed(0)
-    for label, (n, k) in SHAPES.items():
+    for label in args.shapes:
+        n, k = SHAPES[label]
         w = torch.randn(n, k, generator=gen) * 0.05
         lin = CpuLinear([w])
         for fname in args.formats:

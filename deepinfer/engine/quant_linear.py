@@ -32,6 +32,7 @@ from deepinfer_kernels import quant
 # without AVX2, rows from which it dequantises and uses oneDNN (the row kernel took 26.7 ms vs 14.4 for
 # dequantise + oneDNN on Q4_1 3072 x 576 at M = 128, 1 thread)
 LARGE_M = 64
+LARGE_PATH = "panel"
 
 
 class QuantLinear:
@@ -47,6 +48,9 @@ class QuantLinear:
         self.mode = mode
         self.invariant = invariant
         self.panel = quant.cpu_level() >= 1  # the panel kernel is AVX2-only
+        # many rows outside the invariant mode: "dequant" (the matrix dequantised for the call, then
+        # oneDNN), "panel" or "panel1" (the one-chain tile); from large_m rows
+        self.large, self.large_m = LARGE_PATH, LARGE_M
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         qw = self.table.get(w.data_ptr())
@@ -54,10 +58,10 @@ class QuantLinear:
             if self.invariant:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
-        if x.shape[0] >= LARGE_M and not self.invariant:
-            if not self.panel:
+        if x.shape[0] >= self.large_m and not self.invariant:
+            if self.large == "dequant" or not self.panel:
                 return F.linear(x, quant.dequantize(qw), b)
-            return quant.qlinear(x, qw, b, mode="exact")
+            return quant.qlinear(x, qw, b, mode="exact", panel=True, one_chain=self.large == "panel1")
         return quant.qlinear(x, qw, b, mode=self.mode)
 
     @property
