@@ -1,8 +1,9 @@
-"""Block-quantised weights (GGUF's Q4_0, Q4_1, Q8_0) kept as stored, and the native kernels over them
-(csrc/qgemm.c, built with the other native kernels by `native.load`).
+"""Block-quantised weights (GGUF's Q4_0, Q4_1, Q8_0, and the k-quants Q4_K, Q6_K) kept as stored, and
+the native kernels over them (csrc/qgemm*.c, built with the other native kernels by `native.load`).
 
-A `QuantWeight` is an [N, K] matrix as N rows of K / 32 ggml blocks (uint8 [N, row_bytes]): the
-bytes of the GGUF file, unchanged. `qlinear` computes x @ W.T on them:
+A `QuantWeight` is an [N, K] matrix as N rows of ggml blocks (K / 32 blocks, or K / 256 super-blocks
+for the k-quants; uint8 [N, row_bytes]): the bytes of the GGUF file, unchanged. `qlinear` computes
+x @ W.T on them:
 
 * ``mode="int8"``: activations quantised per 32-block to int8, integer dot products (AVX2
   maddubs/madd), fp32 accumulation (llama.cpp's scheme);
@@ -10,7 +11,9 @@ bytes of the GGUF file, unchanged. `qlinear` computes x @ W.T on them:
   dequantise-then-fp32 up to the summation order).
 
 Both have one fixed reduction order per output element, so a row's result does not depend on the
-batch. `pack` is this module's own encoder of the formats (tests; round-trip checked against
+batch. From PANEL_M rows on, the exact mode runs csrc/qgemm_panel.c (weights dequantised three rows
+at a time into L1, a 2 x 3 register tile sweeping the rows), bit-identical to the row kernel.
+`pack` is this module's own encoder of the formats (tests; round-trip checked against
 `dequantize_reference`, a torch transcription of the formats' definitions).
 """
 
@@ -21,13 +24,20 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import native, quant_k
 from .errors import KernelInputError
 
 QK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids (GGMLQuantizationType)
-FORMATS = {Q4_0: ("Q4_0", 18), Q4_1: ("Q4_1", 20), Q8_0: ("Q8_0", 34)}
+Q4_K, Q6_K = quant_k.Q4_K, quant_k.Q6_K
+# type id -> (name, bytes per block, elements per block)
+FORMATS = {Q4_0: ("Q4_0", 18, QK), Q4_1: ("Q4_1", 20, QK), Q8_0: ("Q8_0", 34, QK),
+           Q4_K: ("Q4_K", 144, quant_k.QK_K), Q6_K: ("Q6_K", 210, quant_k.QK_K)}
 MODES = ("int8", "exact")
+# rows from which the exact mode runs the panel kernel (same bits as the row kernel): at 16 rows, 1
+# thread, it took 2.46 ms vs the row kernel's 3.11 (Q4_1 3072 x 576), 0.46 vs 0.62 (960 x 576), 0.63
+# vs 0.85 (Q4_K 576 x 1536) (benchmarks/quant_kernels.py, under load)
+PANEL_M = 16
 
 _configured = False
 
@@ -46,6 +56,8 @@ def _lib():
         lib.di_q_dequant_rows.argtypes = [fp, i64, i32, i64, fp, i64, fp]
         lib.di_q_dequant_rows.restype = i32
         lib.di_q_cpu_level.restype = i32
+        lib.di_qgemm_panel.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64, i32]
+        lib.di_qgemm_panel.restype = i32
         _configured = True
     return lib
 
@@ -61,7 +73,7 @@ def cpu_level() -> int:
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """[n, k] weights as ggml blocks: data uint8 [n, k / 32 * block bytes], contiguous."""
+    """[n, k] weights as ggml blocks: data uint8 [n, k / block elements * block bytes], contiguous."""
 
     data: torch.Tensor
     fmt: int
@@ -71,9 +83,11 @@ class QuantWeight:
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
             raise KernelInputError(f"QuantWeight: unsupported block format {self.fmt} (have {sorted(FORMATS)})")
-        if self.k % QK or self.k <= 0:
-            raise KernelInputError(f"QuantWeight: K = {self.k} is not a positive multiple of {QK}")
-        rb = self.k // QK * FORMATS[self.fmt][1]
+        _, bb, be = FORMATS[self.fmt]
+        if self.k % be or self.k <= 0:
+            raise KernelInputError(f"QuantWeight: K = {self.k} is not a positive multiple of {be} "
+                                   f"({FORMATS[self.fmt][0]}'s block)")
+        rb = self.k // be * bb
         d = self.data
         if d.dtype != torch.uint8 or d.device.type != "cpu" or tuple(d.shape) != (self.n, rb) or not d.is_contiguous():
             raise KernelInputError(f"QuantWeight: data must be contiguous uint8 CPU [{self.n}, {rb}], got "
@@ -106,8 +120,12 @@ def _check_x(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, mode: str = "int8",
-            level: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 @ W.T (+ bias) -> [M, N] fp32. level 0 forces the scalar code (tests)."""
+            level: int = 1, out: torch.Tensor | None = None, panel: bool | None = None,
+            one_chain: bool = False) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias) -> [M, N] fp32. level 0 forces the scalar code (tests).
+    panel (exact mode, AVX2): None = from PANEL_M rows on; True / False force it (tests, benchmarks).
+    one_chain (panel only): the faster 4 x 3 tile, one accumulator per output: still one fixed order
+    per output whatever M, but not the row kernel's, so its bits differ from those of small M."""
     if mode not in MODES:
         raise KernelInputError(f"qlinear: mode must be one of {MODES}, got {mode!r}")
     lib = _lib()
@@ -119,7 +137,13 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, m
         raise KernelInputError(f"qlinear: out must be float32 [{m}, {w.n}] with dense rows")
     if m:
         rb = w.data.shape[1]
-        if mode == "int8":
+        use_panel = mode == "exact" and level >= 1 and (m >= PANEL_M if panel is None else panel)
+        # the panel kernel refuses (1) without AVX2: the row kernel below then runs
+        rc = 1 if not use_panel else lib.di_qgemm_panel(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), rb, w.fmt,
+                                                        w.n, w.k, out.data_ptr(), out.stride(0), int(one_chain))
+        if not rc:
+            pass
+        elif mode == "int8":
             nb = w.k // QK
             qx = torch.empty(m, w.k, dtype=torch.int8)
             xs = torch.empty(m, nb, dtype=torch.float32)
@@ -163,7 +187,9 @@ def _halves(raw: torch.Tensor) -> torch.Tensor:
 
 def dequantize_reference(w: QuantWeight) -> torch.Tensor:
     """fp32 [N, K] decoded in torch from the block layouts (the reference for the kernels)."""
-    _, bb = FORMATS[w.fmt]
+    _, bb, be = FORMATS[w.fmt]
+    if be != QK:
+        return quant_k.dequantize(w.data, w.fmt, w.n, w.k)
     blocks = w.data.view(w.n, w.k // QK, bb)
     d = _halves(blocks[..., 0:2])  # [N, nb, 1]
     if w.fmt == Q8_0:
@@ -177,12 +203,15 @@ def dequantize_reference(w: QuantWeight) -> torch.Tensor:
 
 
 def pack(w: torch.Tensor, fmt: int) -> QuantWeight:
-    """Encode an fp32 [N, K] matrix (K a multiple of 32) in `fmt` (round to nearest per block)."""
+    """Encode an fp32 [N, K] matrix (K a multiple of the block) in `fmt` (round to nearest per block)."""
     if fmt not in FORMATS:
         raise KernelInputError(f"pack: unsupported block format {fmt}")
-    if w.dim() != 2 or w.shape[1] % QK:
-        raise KernelInputError(f"pack: expected [N, K] with K a multiple of {QK}, got {tuple(w.shape)}")
+    be = FORMATS[fmt][2]
+    if w.dim() != 2 or w.shape[1] % be:
+        raise KernelInputError(f"pack: expected [N, K] with K a multiple of {be}, got {tuple(w.shape)}")
     n, k = w.shape
+    if be != QK:
+        return QuantWeight(quant_k.pack(w, fmt), fmt, n, k)
     b = w.float().reshape(n, k // QK, QK)
 
     def half_bytes(v: torch.Tensor) -> torch.Tensor:

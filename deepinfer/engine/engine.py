@@ -118,7 +118,7 @@ class Engine:
         loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=quant_mode is not None,
                             tensor_filter=tensor_filter)
         if cfg.dtype in QUANT_DTYPES and not loaded.quantized:
-            raise InvalidRequestError(f"dtype={cfg.dtype!r} needs a GGUF checkpoint with Q4_0/Q4_1/Q8_0 tensors; "
+            raise InvalidRequestError(f"dtype={cfg.dtype!r} needs a GGUF checkpoint with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors; "
                                       f"{loaded.source} has none")
         self.model_source = loaded.source
         self.tokenizer = loaded.tokenizer

@@ -8,11 +8,13 @@ blocks by the placeholder's storage address, like `CpuLinear` does for its packe
 placeholders are one NaN each, expanded: anything that reads one as a weight gets NaN, not a silent
 wrong number. A tied embedding matrix stays quantised too; its lookups dequantise the rows asked for.
 
-Small M (decode) runs the native kernel, reading the weights as blocks (98 MB for SmolLM2-135M
-Q4_1 instead of 540 MB of fp32). From LARGE_M rows on, the matrix is dequantised to fp32 for that
-call and multiplied by oneDNN: there the GEMM is compute-bound and the native kernel ran at
-0.4-0.6x of oneDNN (M = 128), while dequantising costs a fraction of the GEMM. In the
-batch-invariant mode every M runs the native kernel (one fixed reduction order per element).
+Small M (decode) runs the native row kernel, reading the weights as blocks (98 MB for SmolLM2-135M
+Q4_1 instead of 540 MB of fp32). Many rows in the exact mode run the panel kernel
+(csrc/qgemm_panel.c: three weight rows dequantised into L1 at a time, a 2 x 3 register tile over
+all rows), bit-identical to the row kernel, so the batch-invariant mode uses it too. The int8 mode
+switches to that exact panel kernel from LARGE_M rows (not in the batch-invariant mode, whose int8
+rows must not depend on M). Without AVX2 (no panel kernel) many rows dequantise the matrix for the
+call and run oneDNN, as before.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from deepinfer.engine.placeholder import is_placeholder, placeholder
+from deepinfer.errors import ModelLoadError
 from deepinfer_kernels import quant
 
-# rows from which a call dequantises and uses oneDNN: per projection (Q4_1 3072x576, 1 thread) the
-# native kernel took 2.77 ms vs oneDNN 2.60 at M = 32 and 26.7 vs 14.4 at M = 128, while a
-# per-call dequantisation at M = 16-32 cost the engine 0.43x of fp32 at batch 32
+# int8 mode: rows from which a call runs the exact panel kernel instead (see benchmarks/quant_kernels.py);
+# without AVX2, rows from which it dequantises and uses oneDNN (the row kernel took 26.7 ms vs 14.4 for
+# dequantise + oneDNN on Q4_1 3072 x 576 at M = 128, 1 thread)
 LARGE_M = 64
+LARGE_PATH = "panel"
 
 
 class QuantLinear:
@@ -42,6 +47,10 @@ class QuantLinear:
         self.table = table
         self.mode = mode
         self.invariant = invariant
+        self.panel = quant.cpu_level() >= 1  # the panel kernel is AVX2-only
+        # many rows outside the invariant mode: "dequant" (the matrix dequantised for the call, then
+        # oneDNN), "panel" or "panel1" (the one-chain tile); from large_m rows
+        self.large, self.large_m = LARGE_PATH, LARGE_M
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         qw = self.table.get(w.data_ptr())
@@ -49,17 +58,15 @@ class QuantLinear:
             if self.invariant:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
-        if x.shape[0] >= LARGE_M and not self.invariant:
-            return F.linear(x, quant.dequantize(qw), b)
+        if x.shape[0] >= self.large_m and not self.invariant:
+            if self.large == "dequant" or not self.panel:
+                return F.linear(x, quant.dequantize(qw), b)
+            return quant.qlinear(x, qw, b, mode="exact", panel=True, one_chain=self.large == "panel1")
         return quant.qlinear(x, qw, b, mode=self.mode)
 
     @property
     def nbytes(self) -> int:
         return sum(q.nbytes for q in self.table.values())
-
-
-def _placeholder(shape: tuple[int, int]) -> torch.Tensor:
-    return torch.full((1, 1), float("nan")).expand(*shape)
 
 
 def install_quantized(model, quantized: Mapping[str, quant.QuantWeight], mode: str = "int8",
@@ -76,11 +83,16 @@ def install_quantized(model, quantized: Mapping[str, quant.QuantWeight], mode: s
         qw = parts[0] if len(parts) == 1 else quant.cat_rows(parts)
         if qw.shape != tuple(param.shape):
             continue
-        ph = _placeholder(qw.shape)
+        ph = placeholder(qw.shape)
         if param is model.embed_tokens:
             embed = qw
         param.data = ph
         table[ph.data_ptr()] = qw
+    # the loader hands out placeholders only for what this installs; one left over would compute NaN
+    left = [names[0] for param, names in model.projection_sources()
+            if is_placeholder(param.data) and param.data.data_ptr() not in table]
+    if left:
+        raise ModelLoadError(f"no quantised blocks for the placeholder weights of {left[:3]}")
     if not table:
         return None
     if embed is not None:

@@ -20,9 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define QK 32
-enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8 };
-enum { DI_Q_EXACT = 0, DI_Q_INT8 = 1 };
+#include "qgemm.h"
+
 #define MR 4 /* rows of x per tile: each block is unpacked once for up to 4 rows */
 
 static int block_bytes(int fmt) {
@@ -30,9 +29,13 @@ static int block_bytes(int fmt) {
     case FMT_Q4_0: return 18;
     case FMT_Q4_1: return 20;
     case FMT_Q8_0: return 34;
+    case FMT_Q4_K: return 144; /* per 256 elements (qgemm_k.c) */
+    case FMT_Q6_K: return 210;
     default: return 0;
     }
 }
+
+static int is_kquant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
 
 /* IEEE half -> float without F16C (the scalar path). */
 static inline float half_to_float(uint16_t h) {
@@ -78,21 +81,36 @@ static inline void dequant_block(int fmt, const uint8_t *b, float *out) {
 
 int di_q_block_bytes(int fmt) { return block_bytes(fmt); }
 
+int di_q_block_elems(int fmt) { return is_kquant(fmt) ? QK_K : block_bytes(fmt) ? QK : 0; }
+
+float di_q_half(uint16_t h) { return half_to_float(h); }
+
 int di_q_cpu_level(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 1 : 0;
 }
 
-/* rows ids[0..n) of W [*, K] dequantised into out [n, K] (embedding lookups, prefill panels) */
+static void dequant_row_avx2(int fmt, const uint8_t *row, int64_t K, float *out);
+
+void di_q_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *out) {
+    if (is_kquant(fmt)) {
+        di_qk_dequant_row(fmt, avx2, row, K, out);
+    } else if (avx2) {
+        dequant_row_avx2(fmt, row, K, out);
+    } else {
+        const int bb = block_bytes(fmt);
+        for (int64_t b = 0; b < K / QK; ++b) dequant_block(fmt, row + b * bb, out + b * QK);
+    }
+}
+
+/* rows ids[0..n) of W [*, K] dequantised into out [n, K] (embedding lookups) */
 int di_q_dequant_rows(const uint8_t *w, int64_t row_bytes, int fmt, int64_t K, const int64_t *ids, int64_t n,
                       float *out) {
-    const int bb = block_bytes(fmt);
-    if (!bb || K % QK) return 1;
+    const int be = di_q_block_elems(fmt);
+    if (!be || K % be) return 1;
+    const int avx2 = di_q_cpu_level() >= 1;
 #pragma omp parallel for schedule(static) if (n * K >= 65536)
-    for (int64_t i = 0; i < n; ++i) {
-        const uint8_t *row = w + ids[i] * row_bytes;
-        for (int64_t b = 0; b < K / QK; ++b) dequant_block(fmt, row + b * bb, out + i * K + b * QK);
-    }
+    for (int64_t i = 0; i < n; ++i) di_q_dequant_row(fmt, avx2, w + ids[i] * row_bytes, K, out + i * K);
     return 0;
 }
 
@@ -200,6 +218,15 @@ AVX2 static inline void dequant_block_avx2(int fmt, const uint8_t *b, __m256 w[4
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
 }
 
+AVX2 static void dequant_row_avx2(int fmt, const uint8_t *row, int64_t K, float *out) {
+    const int bb = block_bytes(fmt);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        __m256 w[4];
+        dequant_block_avx2(fmt, row + b * bb, w);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * QK + 8 * i, w[i]);
+    }
+}
+
 AVX2 static inline __attribute__((always_inline)) void rows_exact_avx2(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
                                  float *y, int64_t ldy) {
     const int bb = block_bytes(fmt);
@@ -301,7 +328,8 @@ AVX2 static void int8_avx2_tile(int fmt, const uint8_t *wrow, int64_t nb, const 
  * di_q8_quantize_rows. level: 1 = AVX2 where the CPU has it, 0 = scalar. Threads split N in chunks. */
 int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx, const float *xs, const float *xsum,
              int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N, int64_t K, float *y, int64_t ldy) {
-    if (!block_bytes(fmt) || K % QK) return 1;
+    const int be = di_q_block_elems(fmt);
+    if (!be || K % be) return 1;
     const int avx2 = level >= 1 && di_q_cpu_level() >= 1;
     const int64_t nb = K / QK;
     /* chunks of NC weight rows: a chunk's blocks and a tile's activations both stay in L1 while
@@ -316,7 +344,10 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
             for (int64_t n = c * NC; n < n1; ++n) {
                 const uint8_t *wrow = w + n * row_bytes;
                 float *yr = y + r0 * ldy + n;
-                if (mode == DI_Q_EXACT) {
+                if (be == QK_K) {
+                    di_qk_tile(mode, avx2, fmt, wrow, K, x ? x + r0 * ldx : 0, ldx, qx ? qx + r0 * K : 0,
+                               xs ? xs + r0 * nb : 0, xsum ? xsum + r0 * nb : 0, mr, yr, ldy);
+                } else if (mode == DI_Q_EXACT) {
                     if (avx2) exact_avx2_tile(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
                     else rows_exact_scalar(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
                 } else {

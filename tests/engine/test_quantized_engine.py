@@ -67,9 +67,11 @@ def test_logprobs_and_greedy_vs_fp32(engines, fp32_outputs, dtype):
 
 @needs_native
 @pytest.mark.slow
-def test_needle_batch_invariant_in_quantized_mode():
-    eng = Engine(dtype="quantized", batch_invariant=True, kv_cache_memory=64 << 20, max_num_batched_tokens=128)
-    assert eng.precision == "quantized-int8"
+@pytest.mark.parametrize("dtype", ["quantized", "quantized_exact"])
+def test_needle_batch_invariant_in_quantized_mode(dtype):
+    """exact: prefill chunks of 16+ rows run the panel kernel, decode the row kernel (the same bits)"""
+    eng = Engine(dtype=dtype, batch_invariant=True, kv_cache_memory=64 << 20, max_num_batched_tokens=128)
+    assert eng.precision == {"quantized": "quantized-int8", "quantized_exact": "quantized-exact"}[dtype]
     r = random.Random(3)
     words = "alpha beta gamma delta river stone cloud green quick slow bright dark seven".split()
     needle = [{"role": "user", "content": "Tell me about the sea and " + " ".join(r.choice(words) for _ in range(12))}]

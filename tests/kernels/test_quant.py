@@ -110,6 +110,6 @@ def test_embedding_rows_and_bad_inputs():
     with pytest.raises(KernelInputError, match="multiple of 32"):
         quant.pack(torch.randn(4, 40), quant.Q4_0)
     with pytest.raises(KernelInputError, match="unsupported block format"):
-        quant.QuantWeight(torch.zeros(1, 18, dtype=torch.uint8), 14, 1, 32)
+        quant.QuantWeight(torch.zeros(1, 18, dtype=torch.uint8), 99, 1, 32)
     with pytest.raises(KernelInputError, match="contiguous uint8"):
         quant.QuantWeight(torch.zeros(1, 17, dtype=torch.uint8), quant.Q4_0, 1, 32)

@@ -119,9 +119,12 @@ def config_from_gguf(reader: Any, *, bos_token_id: int | None, eos_token_ids: li
     )
 
 
-def weights_from_gguf(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantise every tensor to fp32 under its HF name (q/k unpermuted for llama files)."""
+def weights_from_gguf(reader: Any, config: ModelConfig, keep: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Dequantise every tensor to fp32 under its HF name (q/k unpermuted for llama files); the HF
+    names in `keep` (kept as stored by the caller) get a placeholder of their shape instead."""
     from gguf.quants import dequantize
+
+    from deepinfer.engine.placeholder import placeholder
 
     unpermute = config.architecture == "LlamaForCausalLM"
     out: dict[str, torch.Tensor] = {}
@@ -129,6 +132,9 @@ def weights_from_gguf(reader: Any, config: ModelConfig) -> dict[str, torch.Tenso
         name = hf_name(t.name)
         if name is None:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has no counterpart in {config.architecture}")
+        if name in keep:
+            out[name] = placeholder(tuple(int(d) for d in reversed(t.shape)))  # GGUF shapes are (cols, rows)
+            continue
         try:
             arr = dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:

@@ -68,12 +68,7 @@ def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.Pa
     if path.is_dir():
         return _from_dir(path, source=str(path), tensor_filter=tensor_filter)
     if path.suffix.lower() == ".gguf":
-        loaded = _from_gguf(path, cache_dir, use_cache)
-        if keep_quantized:
-            from deepinfer.engine.loader.gguf_quant import quantized_weights
-
-            loaded.quantized = quantized_weights(path, loaded.config)
-        return loaded
+        return _from_gguf_quantized(path) if keep_quantized else _from_gguf(path, cache_dir, use_cache)
     raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
 
 
@@ -110,6 +105,24 @@ def _convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tok
                                          eos_token_ids=tokenizer.eos_token_ids)
     weights = gguf_model.weights_from_gguf(reader, config)
     return config, weights, tokenizer
+
+
+def _from_gguf_quantized(path: Path) -> LoadedModel:
+    """The GGUF's block-quantised tensors as stored (`quantized`), placeholders for them in `weights`
+    and fp32 for the rest (norms, tensors in formats the kernels lack): no fp32 copy of a kept tensor
+    is ever made, and the fp32 cache is neither read nor written."""
+    from deepinfer.engine.loader.gguf_quant import installable, quantized_weights
+
+    reader = open_gguf(path)
+    gguf_model.gguf_architecture(reader)
+    tokenizer = Tokenizer.from_gguf(reader)
+    config = gguf_model.config_from_gguf(reader, bos_token_id=tokenizer.bos_token_id,
+                                         eos_token_ids=tokenizer.eos_token_ids)
+    quantized = installable(quantized_weights(path, config, reader))
+    weights = gguf_model.weights_from_gguf(reader, config, keep=frozenset(quantized))
+    loaded = _finish(config, weights, tokenizer, str(path))
+    loaded.quantized = quantized
+    return loaded
 
 
 def _from_gguf(path: Path, cache_dir: str | os.PathLike | None, use_cache: bool) -> LoadedModel:

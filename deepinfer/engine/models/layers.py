@@ -15,6 +15,7 @@ from torch import nn
 
 from deepinfer.engine.attention import ForwardContext, paged_attention
 from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.placeholder import cat_rows, is_placeholder
 from deepinfer.errors import ModelLoadError
 
 
@@ -143,7 +144,8 @@ class Attention(nn.Module):
 
     def load(self, p: str, take, put) -> None:
         """p: 'model.layers.{i}.self_attn.'"""
-        put(self.qkv_weight, torch.cat([take(p + f"{n}_proj.weight") for n in "qkv"], 0), p + "qkv_proj.weight")
+        put(self.qkv_weight, cat_rows([take(p + f"{n}_proj.weight") for n in "qkv"], p + "qkv_proj.weight"),
+            p + "qkv_proj.weight")
         if self.qkv_bias is not None:
             put(self.qkv_bias, torch.cat([take(p + f"{n}_proj.bias") for n in "qkv"], 0), p + "qkv bias")
         put(self.o_weight, take(p + "o_proj.weight"), p + "o_proj.weight")
@@ -178,8 +180,8 @@ class GatedMLP(nn.Module):
 
     def load(self, p: str, take, put) -> None:
         """p: 'model.layers.{i}.mlp.' (or a shared expert's prefix)"""
-        put(self.gate_up_weight, torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")], 0),
-            p + "gate_up_proj.weight")
+        put(self.gate_up_weight, cat_rows([take(p + "gate_proj.weight"), take(p + "up_proj.weight")],
+                                          p + "gate_up_proj.weight"), p + "gate_up_proj.weight")
         put(self.down_weight, take(p + "down_proj.weight"), p + "down_proj.weight")
 
 
@@ -319,6 +321,7 @@ class DecoderForCausalLM(nn.Module):
                 raise ModelLoadError(
                     f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
                 )
-            param.data = value.to(device=device, dtype=dtype).contiguous()
+            # a placeholder (engine/placeholder.py) stays one: its blocks replace it after loading
+            param.data = value if is_placeholder(value) else value.to(device=device, dtype=dtype).contiguous()
 
         return take, put

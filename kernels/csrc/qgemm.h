@@ -1,0 +1,24 @@
+/* Shared declarations of the quantised-weight kernels (qgemm.c: 32-element formats and the driver;
+ * qgemm_k.c: GGUF k-quants; qgemm_panel.c: the large-M path). */
+#ifndef DEEPINFER_QGEMM_H
+#define DEEPINFER_QGEMM_H
+#include <stdint.h>
+
+#define QK 32    /* elements per block of Q4_0 / Q4_1 / Q8_0, and per activation block of the int8 mode */
+#define QK_K 256 /* elements per super-block of Q4_K / Q6_K */
+enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_Q4_K = 12, FMT_Q6_K = 14 }; /* ggml type ids */
+enum { DI_Q_EXACT = 0, DI_Q_INT8 = 1 };
+
+int di_q_block_bytes(int fmt);
+int di_q_block_elems(int fmt);
+int di_q_cpu_level(void);
+float di_q_half(uint16_t h);
+
+/* one weight row of K elements as fp32 (any format); avx2: use the AVX2 code */
+void di_q_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *out);
+
+/* k-quants: one row of W against up to 4 rows of x (exact) or of qx/xs/xsum (int8) */
+void di_qk_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *out);
+void di_qk_tile(int mode, int avx2, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
+                const int8_t *qx, const float *xs, const float *xsum, int mr, float *y, int64_t ldy);
+#endif

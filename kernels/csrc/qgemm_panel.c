@@ -1,0 +1,137 @@
+/* y = x @ W.T for block-quantised W at many rows of x (prefill, large decode batches).
+ *
+ * The row-at-a-time kernels of qgemm.c / qgemm_k.c dequantise a weight row in registers for each
+ * tile of 4 rows of x: fine while the weights' bytes are the cost (decode), but at 32+ rows each
+ * weight is dequantised M / 4 times and every tile does 4 loads of x per 4 FMAs. Here three weight
+ * rows at a time are dequantised once into a small fp32 buffer (L1) by the same AVX2 code, and a
+ * register tile of 2 rows of x by those 3 weight rows sweeps all M rows: 5 loads per 6 FMAs, the
+ * dequantisation paid once per call.
+ *
+ * The arithmetic is the exact mode's, operation for operation: the same dequantised fp32 values
+ * (the same intrinsics), the same two accumulators per output (elements 0-7 and 16-23 of each
+ * 32-block into one, 8-15 and 24-31 into the other, in k order), the same final sum. So a row's
+ * result is bit-identical to qgemm.c's exact kernel whatever M or the path: the batch-invariant
+ * mode may use this path too. AVX2 only (callers use the row kernels elsewhere).
+ */
+#include <immintrin.h>
+#include <stdlib.h>
+
+#include "qgemm.h"
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PR 2 /* rows of x per register tile */
+#define PJ 3 /* weight rows per register tile (and per dequantised buffer) */
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* y[r, j] for r < mr, j < nj: x rows ldx apart, w = nj dequantised rows K apart */
+AVX2 static inline __attribute__((always_inline)) void tile(const int mr, const int nj, const float *x, int64_t ldx,
+                                                            const float *w, int64_t K, float *y, int64_t ldy) {
+    __m256 a0[PR][PJ], a1[PR][PJ];
+    for (int r = 0; r < PR; ++r)
+        for (int j = 0; j < PJ; ++j) a0[r][j] = a1[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) { /* 16 = one half of a 32-block: 0-7 -> a0, 8-15 -> a1 */
+        __m256 wv[PJ];
+        for (int j = 0; j < nj; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+        for (int r = 0; r < mr; ++r) {
+            const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+            for (int j = 0; j < nj; ++j) a0[r][j] = _mm256_fmadd_ps(wv[j], xv, a0[r][j]);
+        }
+        for (int j = 0; j < nj; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k + 8);
+        for (int r = 0; r < mr; ++r) {
+            const __m256 xv = _mm256_loadu_ps(x + r * ldx + k + 8);
+            for (int j = 0; j < nj; ++j) a1[r][j] = _mm256_fmadd_ps(wv[j], xv, a1[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nj; ++j) y[r * ldy + j] = hsum8(_mm256_add_ps(a0[r][j], a1[r][j]));
+}
+
+/* the "one chain" order: a single accumulator per output (8 lanes over k in order, then the same
+ * final sum), so a 4 x 3 tile fits in 12 registers: 7 loads per 12 FMAs instead of 5 per 6. Still one
+ * fixed order per output whatever M, but not the row kernel's order (bits differ from small M). */
+#define QR 4
+AVX2 static inline __attribute__((always_inline)) void tile1(const int mr, const int nj, const float *x, int64_t ldx,
+                                                             const float *w, int64_t K, float *y, int64_t ldy) {
+    __m256 a[QR][PJ];
+    for (int r = 0; r < QR; ++r)
+        for (int j = 0; j < PJ; ++j) a[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv[PJ];
+        for (int j = 0; j < nj; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+        for (int r = 0; r < mr; ++r) {
+            const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+            for (int j = 0; j < nj; ++j) a[r][j] = _mm256_fmadd_ps(wv[j], xv, a[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nj; ++j) y[r * ldy + j] = hsum8(a[r][j]);
+}
+
+#define T1(R) do { if (nj == 3) tile1(R, 3, xr, ldx, w, K, yr, ldy); \
+                   else if (nj == 2) tile1(R, 2, xr, ldx, w, K, yr, ldy); \
+                   else tile1(R, 1, xr, ldx, w, K, yr, ldy); } while (0)
+
+AVX2 static void sweep1(int nj, const float *x, int64_t ldx, int64_t M, const float *w, int64_t K, float *y,
+                        int64_t ldy) {
+    for (int64_t r = 0; r < M; r += QR) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        switch (M - r < QR ? (int)(M - r) : QR) {
+        case 4: T1(4); break;
+        case 3: T1(3); break;
+        case 2: T1(2); break;
+        default: T1(1); break;
+        }
+    }
+}
+
+AVX2 static void sweep(int nj, const float *x, int64_t ldx, int64_t M, const float *w, int64_t K, float *y,
+                       int64_t ldy) {
+    int64_t r = 0;
+    for (; r + PR <= M; r += PR) {
+        if (nj == 3) tile(2, 3, x + r * ldx, ldx, w, K, y + r * ldy, ldy);
+        else if (nj == 2) tile(2, 2, x + r * ldx, ldx, w, K, y + r * ldy, ldy);
+        else tile(2, 1, x + r * ldx, ldx, w, K, y + r * ldy, ldy);
+    }
+    if (r < M) {
+        if (nj == 3) tile(1, 3, x + r * ldx, ldx, w, K, y + r * ldy, ldy);
+        else if (nj == 2) tile(1, 2, x + r * ldx, ldx, w, K, y + r * ldy, ldy);
+        else tile(1, 1, x + r * ldx, ldx, w, K, y + r * ldy, ldy);
+    }
+}
+
+/* exact-mode y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) @ W.T; 1 when refused (no
+ * AVX2, unknown format, K not whole blocks, no memory). one_chain: the 4 x 3 tile's order (faster,
+ * not bit-identical to the row kernel) instead of the row kernel's. */
+int di_qgemm_panel(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N,
+                   int64_t K, float *y, int64_t ldy, int one_chain) {
+    const int be = di_q_block_elems(fmt);
+    if (!be || K % be || di_q_cpu_level() < 1) return 1;
+    const int64_t groups = (N + PJ - 1) / PJ;
+    int failed = 0;
+#pragma omp parallel if (groups > 1 && M * N * K >= 32768)
+    {
+        float *buf = aligned_alloc(64, (size_t)(PJ * K * sizeof(float) + 63) / 64 * 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            if (!buf) continue;
+            const int64_t n0 = g * PJ;
+            const int nj = N - n0 < PJ ? (int)(N - n0) : PJ;
+            for (int j = 0; j < nj; ++j) di_q_dequant_row(fmt, 1, w + (n0 + j) * row_bytes, K, buf + j * K);
+            if (one_chain) sweep1(nj, x, ldx, M, buf, K, y + n0, ldy);
+            else sweep(nj, x, ldx, M, buf, K, y + n0, ldy);
+        }
+        free(buf);
+    }
+    return failed;
+}
