@@ -180,6 +180,52 @@ def test_compiled_batch_prefills_static_prefix_once_and_matches_interpreted():
     assert results[True] == results[False]
 
 
+def test_compiled_prefix_extends_into_the_common_start_of_the_varying_argument():
+    # the docs vary but share a start: the compiled plan prefills through it, as much as the
+    # interpreted runtime's collected prefix does, and the states stay identical
+    docs = [f"Traveller from the far north, number {i}, lives in Paris." for i in range(6)]
+    prefixes, results = {}, {}
+    for compile_ in (False, True):
+        eng = FakeEngine()
+        states = three_stage.run_batch([{"doc": d} for d in docs], backend=eng, temperature=0.0, compile=compile_)
+        assert all(st.ok for st in states), [st.error() for st in states]
+        results[compile_] = [(st.text(), st.variables()) for st in states]
+        prefixes[compile_] = next(ids for _, ids, p in eng.log if p.max_tokens == 0)
+    assert results[True] == results[False]
+    text = FakeEngine().tokenizer.decode(prefixes[True], skip_special_tokens=False)
+    assert "Extract the place from: Traveller from the far north, number" in text
+    assert len(prefixes[True]) >= len(prefixes[False])
+    assert prefixes[True] == prefixes[False][:len(prefixes[True])]
+
+
+def test_batch_prefix_extends_only_through_a_verbatim_argument():
+    from deepinfer.lang.compiler import argument_values, batch_prefix
+
+    @di.function
+    def verbatim(s, doc, tag="x"):
+        s += "Head. " + doc + " [" + tag + "]" + di.gen("a", max_tokens=2)
+
+    @di.function
+    def shouted(s, doc):
+        s += "Head. " + doc.upper() + di.gen("a", max_tokens=2)
+
+    jobs = [((), {"doc": "same start A"}), ((), {"doc": "same start B"})]
+    g = verbatim.trace(doc="same start A")
+    vals = argument_values(verbatim.func, jobs, {"doc"})
+    assert [x.text for x in batch_prefix(g, {"doc"}, vals)] == ["Head. same start "]
+    assert [x.text for x in static_prefix(g, {"doc"})] == ["Head. "]
+    # positional jobs bind to the same values
+    assert argument_values(verbatim.func, [(("same start A",), {}), (("same start B",), {})], {"doc"}) == vals
+    # the text does not hold the value verbatim: no extension
+    g2 = shouted.trace(doc="same start A")
+    assert [x.text for x in batch_prefix(g2, {"doc"}, vals)] == ["Head. "]
+    # two varying arguments in the text, or a value that is not a string: no extension
+    both = argument_values(verbatim.func, [((), {"doc": "same A", "tag": "t1"}), ((), {"doc": "same B", "tag": "t2"})],
+                           {"doc", "tag"})
+    assert [x.text for x in batch_prefix(verbatim.trace(doc="same A", tag="t1"), {"doc", "tag"}, both)] == ["Head. "]
+    assert [x.text for x in batch_prefix(g, {"doc"}, {"doc": ["same start A", 3]})] == ["Head. "]
+
+
 class _CompileCountingEngine(FakeEngine):
     """A FakeEngine with `precompile`: records which constraints were compiled ahead of time."""
 
