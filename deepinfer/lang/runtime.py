@@ -141,6 +141,7 @@ class Runtime:
                 "run/run_batch/arun cannot be called inside a running program; call the other "
                 "function directly instead: other(s, ...)"
             )
+        _freeze_long_lived()
         batch = Batch(func, jobs, defaults, window, share_prefix, stream, prefix)
         if stream:  # the caller needs the state object now, to iterate its text
             for i in range(batch.n):
@@ -385,6 +386,28 @@ class Runtime:
                     if prog.waiting is not None:  # fail() above did not already wake it
                         prog.waiting = None
                         self._ready.append(prog)
+
+
+_gc_frozen = False
+
+
+def _freeze_long_lived() -> None:
+    """Once per process, before the first batch: collect, then move every object alive (the engine,
+    its model and tokenizer, imported modules) out of the cyclic GC's reach (`gc.freeze`).
+
+    A run_batch's per-gen objects (states, ops, meta) trigger a full collection about once per 256
+    programs x 2 gens, and a full collection scanned those long-lived objects for 160-300 ms (the
+    tiny-model engine on this CPU: 176k tracked objects; `engine.generate` on the same requests
+    allocated less and stayed under the threshold). Frozen, it scans only what came later; garbage
+    is still freed by reference counting, and the collect first leaves no cycle behind."""
+    global _gc_frozen
+    if _gc_frozen:
+        return
+    _gc_frozen = True
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 _runtimes: dict[int, tuple[Any, Runtime]] = {}

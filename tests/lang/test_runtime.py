@@ -301,3 +301,17 @@ def test_concurrent_callers_share_one_runtime_thread():
         t.join()
     assert results == {k: [f"n{7 * k + 1}", f"n{7 * k + 2}"] for k in range(4)}
     assert threading.active_count() <= before + 1
+
+
+def test_first_batch_freezes_long_lived_objects_out_of_the_cyclic_gc():
+    import gc
+
+    from deepinfer.lang.testing import FakeEngine
+
+    @di.function
+    def one(s, i):
+        s += f"Item {i}: " + di.gen("x", max_tokens=2)
+
+    states = one.run_batch([{"i": i} for i in range(3)], backend=FakeEngine(), temperature=0.0)
+    assert all(st.ok for st in states)
+    assert gc.get_freeze_count() > 0  # the engine and modules alive at the first batch are frozen
