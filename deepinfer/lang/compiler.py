@@ -327,24 +327,32 @@ def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[st
     plan = BatchPlan(graph=graph)
     keys: set[tuple] = set()
 
-    def start(params: list[SamplingParams]) -> None:
-        # each compile starts as soon as its constraint is found, in program order: the first
-        # programs' grammars compile while the later programs are still being traced
+    def new(params: list[SamplingParams]) -> list[SamplingParams]:
+        out = []
         for p in params:
             key = constraint_key(p)
             if key not in keys:
                 keys.add(key)
-                if backend.precompile(p):
-                    plan.compiles += 1
+                out.append(p)
+        return out
 
-    start(constraint_params(graph.nodes, defaults, checked=False))
+    # the first program's constraints start compiling at once (while the later programs are traced);
+    # the later programs' once those are done, so the first request does not share the CPU with them
+    first = new(constraint_params(graph.nodes, defaults, checked=False))
+    plan.compiles += sum(bool(backend.precompile(p)) for p in first)
     varying = varying_arguments(func, jobs)
     if share_prefix:
         plan.prefix = batch_prefix(graph, varying, argument_values(func, jobs, varying))
         last, _, _ = _run_once(func, *jobs[-1])
         plan.probes = [plan.prefix, first_prompt(graph.nodes), first_prompt(last)]
     if any(n.kind == "gen" and n.args & varying for n in graph.nodes):
+        later: list[SamplingParams] = []
         for a, k in jobs[1:]:
             nodes, _, _ = _run_once(func, a, k)
-            start(constraint_params(nodes, defaults, checked=False))
+            later += new(constraint_params(nodes, defaults, checked=False))
+        after = getattr(backend, "precompile_after", None)
+        if after is not None:
+            plan.compiles += after(backend.compile_futures(first), later)
+        else:
+            plan.compiles += sum(bool(backend.precompile(p)) for p in later)
     return plan

@@ -349,3 +349,64 @@ def test_bad_first_job_fails_alone_in_a_compiled_batch():
     states = three_stage.run_batch(jobs, backend=FakeEngine(), temperature=0.0)
     assert not states[0].ok and isinstance(states[0].error(), TypeError)
     assert all(st.ok for st in states[1:]), [st.error() for st in states[1:]]
+
+
+class _TimedCompileEngine(FakeEngine):
+    """precompile futures finish `delay` seconds after the call; records, per call, whether the
+    first compile had finished by then."""
+
+    def __init__(self, delay=0.03):
+        super().__init__()
+        self.delay, self.calls, self.futs = delay, [], []
+
+    def precompile(self, params):
+        import threading
+        from concurrent.futures import Future
+
+        fut = Future()
+        self.calls.append((params.json_schema, bool(self.futs) and self.futs[0].done()))
+        self.futs.append(fut)
+        t = threading.Timer(self.delay, fut.set_result, (None,))
+        t.daemon = True
+        t.start()
+        return fut
+
+
+def test_the_first_programs_constraint_compiles_before_the_later_ones_start():
+    @di.function
+    def typed(s, schema, i):
+        s += f"Record {i}: " + di.gen("obj", json_schema=schema, max_tokens=32)
+
+    schemas = [{"type": "object", "properties": {f"k{k}": {"type": "integer"}}, "required": [f"k{k}"]}
+               for k in range(4)]
+    eng = _TimedCompileEngine()
+    states = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=eng, temperature=0.0)
+    assert all(st.ok for st in states), [st.error() for st in states]
+    assert [c[0] for c in eng.calls] == schemas
+    assert all(first_done for _, first_done in eng.calls[1:]), eng.calls
+    # interpreted runs give the same states
+    again = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=FakeEngine(),
+                            temperature=0.0, compile=False)
+    assert [st.text() for st in again] == [st.text() for st in states]
+
+
+def test_a_slow_first_compile_holds_the_later_ones_back_only_wait_s():
+    from concurrent.futures import Future
+
+    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.lang.backend import EngineBackend
+
+    eng = _TimedCompileEngine(delay=0.0)
+    be = EngineBackend(eng)
+    never = Future()  # the first program's compile, still running
+    later = [SamplingParams(json_schema={"type": "object", "properties": {f"x{k}": {"type": "string"}}})
+             for k in range(2)]
+    assert be.precompile_after([never], later, wait_s=0.05) == 2
+    assert be.compiling(later[0]) and eng.calls == []  # held, and counted as compiling meanwhile
+    import time
+
+    deadline = time.time() + 5
+    while be.compiling(later[0]) or be.compiling(later[1]):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert [c[0] for c in eng.calls] == [p.json_schema for p in later] and not never.done()
