@@ -6,7 +6,8 @@
    trace itself caught (a read of an undefined variable, `select` without choices). Errors name
    the program line. Needs no model.
 2. `constraint_params`: every distinct constrained gen's SamplingParams, for compiling them all
-   up front in the engine's compile threads (`plan_batch` starts those compiles).
+   up front in the engine's compile threads (`plan_batch` starts those compiles: the first
+   program's at once, the later programs' once those are done, see EngineBackend.precompile_after).
 3. `static_prefix`: the leaves at the start of the program that no varying argument changes
    (the text to prefill once for the whole batch), cut where the first varying argument enters;
    `batch_prefix` continues it by the common start of that argument's values in the batch.
