@@ -27,6 +27,7 @@ Smoke run: python benchmarks/programs.py --programs 16 --questions 8 --tokens 4 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -122,6 +123,7 @@ def bench_batch(engine: Engine, n: int, tokens: int, reps: int = 3) -> dict:
         for name in (("dsl", "direct") if r % 2 == 0 else ("direct", "dsl")):
             if reset:
                 reset()
+            gc.collect()  # each side starts from a fresh collection (else one pays the other's garbage)
             before = _stats(engine)
             wall, ntok = (dsl if name == "dsl" else direct)()
             after = _stats(engine)
@@ -240,6 +242,7 @@ def timed_batch(prog, batch, engine, compile_: bool, **kw) -> tuple[float, ...]:
     reset = getattr(engine, "reset_prefix_cache", None)
     if reset:
         reset()
+    gc.collect()  # each run starts from a fresh collection
     proxy = _FirstOutput(engine)
     before = _stats(engine)
     t = time.perf_counter()
