@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from concurrent.futures import Future
 from typing import Any, Iterable
 
 from deepinfer.engine.outputs import RequestOutput
@@ -96,6 +97,76 @@ class EngineBackend:
         with self._compiles_lock:
             self._compiles[constraint_key(params)] = fut
         return True
+
+    def compile_futures(self, params_list: list[SamplingParams]) -> list[Any]:
+        """The running precompiles (futures) of params_list's constraints."""
+        with self._compiles_lock:
+            futs = [self._compiles.get(constraint_key(p)) for p in params_list]
+        return [f for f in futs if f is not None]
+
+    def precompile_after(self, after: list[Any], params_list: list[SamplingParams], wait_s: float = 0.1,
+                         in_flight: int = 2) -> int:
+        """`precompile` params_list once every future in `after` is done (or `wait_s` seconds have
+        passed), `in_flight` at a time, each next one as one finishes: the first program's
+        constraints compile first, alone. Meanwhile each counts as compiling, so the runtime holds
+        its requests rather than let the engine compile it on the spot. Returns how many.
+
+        Started together, 100 fresh schemas shared the CPU with the first one and the batch's first
+        output came 2.8x later than interpreted (265 vs 95 ms, tiny model, where the interpreted
+        runtime compiled the first schema alone, in 23 ms); started all at once when the first was
+        done, their spec building (18 ms) delayed the first request's submission. `wait_s` bounds
+        what a slow first schema holds the rest back; `in_flight` is the engine's compile threads
+        (GrammarCompiler's default 2)."""
+        fn = getattr(self.engine, "precompile", None)
+        if fn is None or not params_list:
+            return 0
+        pending = [f for f in after if not f.done()]
+        queue: list[tuple[SamplingParams, Future]] = []
+        with self._compiles_lock:
+            for p in params_list:
+                proxy: Future = Future()
+                self._compiles[constraint_key(p)] = proxy
+                queue.append((p, proxy))
+        lock = threading.Lock()
+        state = {"left": len(pending), "started": False}
+
+        def next_one() -> None:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    p, proxy = queue.pop(0)
+                try:
+                    fut = fn(p)
+                except Exception:  # its request reports the error on its own
+                    fut = None
+                if fut is None or fut.done():  # (a done one is not chained: no recursion through callbacks)
+                    proxy.set_result(None)
+                    continue
+                fut.add_done_callback(lambda _f, proxy=proxy: (proxy.set_result(None), next_one()))
+                return
+
+        def start(reason: Any = None) -> None:
+            with lock:
+                if reason is not None:  # one of `after` finished
+                    state["left"] -= 1
+                    if state["left"] > 0:
+                        return
+                if state["started"]:
+                    return
+                state["started"] = True
+            for _ in range(max(1, in_flight)):
+                next_one()
+
+        if not pending:
+            start()
+            return len(params_list)
+        timer = threading.Timer(wait_s, start)
+        timer.daemon = True
+        timer.start()
+        for f in pending:
+            f.add_done_callback(start)
+        return len(params_list)
 
     def compiling(self, params: SamplingParams) -> bool:
         """True while a precompile of params' constraint is still running (its request would wait)."""

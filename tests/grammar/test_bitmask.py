@@ -119,3 +119,18 @@ def test_ids_past_the_tokenizer_are_always_masked(which, request, smol_tok):
     apply_token_bitmask_(logits, mask, rows=[1])
     assert torch.isinf(logits[1, n_tok:]).all()
     assert torch.isfinite(logits[1, allowed]).all()
+
+
+@pytest.mark.parametrize("V", [1, 31, 32, 33, 100, 49152, 49153])
+def test_allowed_token_ids_are_the_set_bits(V):
+    g = torch.Generator().manual_seed(V)
+    words = (V + 31) // 32
+    rows = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=g),
+            torch.zeros(words, dtype=torch.int32), torch.full((words,), -1, dtype=torch.int32)]
+    for row in rows:
+        want = [t for t in range(V) if (int(row[t // 32]) >> (t % 32)) & 1]
+        got = allowed_token_ids(row, V)
+        assert got.dtype == torch.int64 and got.tolist() == want
+    # a row of a larger mask (a view) gives the same ids
+    mask = torch.stack(rows)
+    assert allowed_token_ids(mask[0], V).tolist() == allowed_token_ids(rows[0].clone(), V).tolist()

@@ -180,6 +180,52 @@ def test_compiled_batch_prefills_static_prefix_once_and_matches_interpreted():
     assert results[True] == results[False]
 
 
+def test_compiled_prefix_extends_into_the_common_start_of_the_varying_argument():
+    # the docs vary but share a start: the compiled plan prefills through it, as much as the
+    # interpreted runtime's collected prefix does, and the states stay identical
+    docs = [f"Traveller from the far north, number {i}, lives in Paris." for i in range(6)]
+    prefixes, results = {}, {}
+    for compile_ in (False, True):
+        eng = FakeEngine()
+        states = three_stage.run_batch([{"doc": d} for d in docs], backend=eng, temperature=0.0, compile=compile_)
+        assert all(st.ok for st in states), [st.error() for st in states]
+        results[compile_] = [(st.text(), st.variables()) for st in states]
+        prefixes[compile_] = next(ids for _, ids, p in eng.log if p.max_tokens == 0)
+    assert results[True] == results[False]
+    text = FakeEngine().tokenizer.decode(prefixes[True], skip_special_tokens=False)
+    assert "Extract the place from: Traveller from the far north, number" in text
+    assert len(prefixes[True]) >= len(prefixes[False])
+    assert prefixes[True] == prefixes[False][:len(prefixes[True])]
+
+
+def test_batch_prefix_extends_only_through_a_verbatim_argument():
+    from deepinfer.lang.compiler import argument_values, batch_prefix
+
+    @di.function
+    def verbatim(s, doc, tag="x"):
+        s += "Head. " + doc + " [" + tag + "]" + di.gen("a", max_tokens=2)
+
+    @di.function
+    def shouted(s, doc):
+        s += "Head. " + doc.upper() + di.gen("a", max_tokens=2)
+
+    jobs = [((), {"doc": "same start A"}), ((), {"doc": "same start B"})]
+    g = verbatim.trace(doc="same start A")
+    vals = argument_values(verbatim.func, jobs, {"doc"})
+    assert [x.text for x in batch_prefix(g, {"doc"}, vals)] == ["Head. same start "]
+    assert [x.text for x in static_prefix(g, {"doc"})] == ["Head. "]
+    # positional jobs bind to the same values
+    assert argument_values(verbatim.func, [(("same start A",), {}), (("same start B",), {})], {"doc"}) == vals
+    # the text does not hold the value verbatim: no extension
+    g2 = shouted.trace(doc="same start A")
+    assert [x.text for x in batch_prefix(g2, {"doc"}, vals)] == ["Head. "]
+    # two varying arguments in the text, or a value that is not a string: no extension
+    both = argument_values(verbatim.func, [((), {"doc": "same A", "tag": "t1"}), ((), {"doc": "same B", "tag": "t2"})],
+                           {"doc", "tag"})
+    assert [x.text for x in batch_prefix(verbatim.trace(doc="same A", tag="t1"), {"doc", "tag"}, both)] == ["Head. "]
+    assert [x.text for x in batch_prefix(g, {"doc"}, {"doc": ["same start A", 3]})] == ["Head. "]
+
+
 class _CompileCountingEngine(FakeEngine):
     """A FakeEngine with `precompile`: records which constraints were compiled ahead of time."""
 
@@ -303,3 +349,64 @@ def test_bad_first_job_fails_alone_in_a_compiled_batch():
     states = three_stage.run_batch(jobs, backend=FakeEngine(), temperature=0.0)
     assert not states[0].ok and isinstance(states[0].error(), TypeError)
     assert all(st.ok for st in states[1:]), [st.error() for st in states[1:]]
+
+
+class _TimedCompileEngine(FakeEngine):
+    """precompile futures finish `delay` seconds after the call; records, per call, whether the
+    first compile had finished by then."""
+
+    def __init__(self, delay=0.03):
+        super().__init__()
+        self.delay, self.calls, self.futs = delay, [], []
+
+    def precompile(self, params):
+        import threading
+        from concurrent.futures import Future
+
+        fut = Future()
+        self.calls.append((params.json_schema, bool(self.futs) and self.futs[0].done()))
+        self.futs.append(fut)
+        t = threading.Timer(self.delay, fut.set_result, (None,))
+        t.daemon = True
+        t.start()
+        return fut
+
+
+def test_the_first_programs_constraint_compiles_before_the_later_ones_start():
+    @di.function
+    def typed(s, schema, i):
+        s += f"Record {i}: " + di.gen("obj", json_schema=schema, max_tokens=32)
+
+    schemas = [{"type": "object", "properties": {f"k{k}": {"type": "integer"}}, "required": [f"k{k}"]}
+               for k in range(4)]
+    eng = _TimedCompileEngine()
+    states = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=eng, temperature=0.0)
+    assert all(st.ok for st in states), [st.error() for st in states]
+    assert [c[0] for c in eng.calls] == schemas
+    assert all(first_done for _, first_done in eng.calls[1:]), eng.calls
+    # interpreted runs give the same states
+    again = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=FakeEngine(),
+                            temperature=0.0, compile=False)
+    assert [st.text() for st in again] == [st.text() for st in states]
+
+
+def test_a_slow_first_compile_holds_the_later_ones_back_only_wait_s():
+    from concurrent.futures import Future
+
+    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.lang.backend import EngineBackend
+
+    eng = _TimedCompileEngine(delay=0.0)
+    be = EngineBackend(eng)
+    never = Future()  # the first program's compile, still running
+    later = [SamplingParams(json_schema={"type": "object", "properties": {f"x{k}": {"type": "string"}}})
+             for k in range(2)]
+    assert be.precompile_after([never], later, wait_s=0.05) == 2
+    assert be.compiling(later[0]) and eng.calls == []  # held, and counted as compiling meanwhile
+    import time
+
+    deadline = time.time() + 5
+    while be.compiling(later[0]) or be.compiling(later[1]):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert [c[0] for c in eng.calls] == [p.json_schema for p in later] and not never.done()

@@ -301,3 +301,21 @@ def test_concurrent_callers_share_one_runtime_thread():
         t.join()
     assert results == {k: [f"n{7 * k + 1}", f"n{7 * k + 2}"] for k in range(4)}
     assert threading.active_count() <= before + 1
+
+
+def test_long_lived_objects_are_frozen_out_of_the_cyclic_gc_only_while_batches_run():
+    import gc
+
+    seen = []
+
+    @di.function
+    def one(s, i):
+        s += f"Item {i}: " + di.gen("x", max_tokens=2)
+        if isinstance(s, di.ProgramState):  # the real run, not the compiler's trace
+            seen.append(gc.get_freeze_count())
+
+    assert gc.get_freeze_count() == 0
+    states = one.run_batch([{"i": i} for i in range(3)], backend=FakeEngine(), temperature=0.0)
+    assert all(st.ok for st in states)
+    assert len(seen) == 3 and min(seen) > 0  # the engine and modules were frozen during the batch
+    assert gc.get_freeze_count() == 0  # and handed back to the collector when it ended
