@@ -5,7 +5,8 @@ with the other native kernels by `native.load`).
 `moe_experts(x, idx, packed)` returns [T, k, H]: row (t, j) is expert idx[t, j]'s gated MLP on
 x[t], computed in one call (a counting sort by expert, every active expert's gate/up GEMM with silu
 * mul in registers, then its down GEMM written to the pair's row). `moe_experts_reference` is the
-torch definition. Each output element is one multiply-add chain over k in order, so a pair's result
+torch definition. `pack_linear` / `linear` are a plain projection x @ W.T on the same register tile
+(for the MoE models' other projections on CPUs where the shared panel GEMM's tile spills). Each output element is one multiply-add chain over k in order, so a pair's result
 does not depend on which other tokens share its expert (batch-invariant).
 """
 
@@ -33,6 +34,8 @@ def _lib():
         lib.di_moe_experts_f32.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, i64, fp, fp, i64]
         lib.di_moe_experts_f32.restype = ctypes.c_int
         lib.di_moe_nr.restype = ctypes.c_int
+        lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
+        lib.di_panel_linear_f32.restype = ctypes.c_int
         _configured = True
     return lib
 
@@ -123,3 +126,40 @@ def moe_experts_reference(x: torch.Tensor, idx: torch.Tensor, gate_up: torch.Ten
     gu = torch.einsum("th,tkoh->tko", x, gate_up[idx])
     act = F.silu(gu[..., :i]) * gu[..., i:]
     return torch.einsum("tki,tkhi->tkh", act, down[idx])
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """W [N, K] in panels [ceil(N / NR), K, NR] (zero-padded past N)."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_linear(w: torch.Tensor) -> PackedLinear:
+    """W [N, K] (float32 CPU) -> PackedLinear (a copy) for `linear`."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
+            or 0 in w.shape:
+        raise KernelInputError(f"pack_linear: w must be a non-empty float32 CPU tensor [N, K], got "
+                               f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    return PackedLinear(_panels(w.unsqueeze(0), panel_width())[0].contiguous(), w.shape[0], w.shape[1])
+
+
+def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N]; every output one multiply-add chain over k in order (row-invariant)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.shape[1] != packed.in_features:
+        raise KernelInputError(f"linear: x must be float32 CPU [M, {packed.in_features}], got "
+                               f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if x.stride(1) != 1 or x.stride(0) < packed.in_features:
+        x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, packed.out_features, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = _lib().di_panel_linear_f32(x.data_ptr(), x.stride(0), m, packed.panels.data_ptr(), packed.in_features,
+                                    packed.out_features, y.data_ptr(), packed.out_features)
+    if rc != 0:
+        raise MemoryError(f"linear: the native kernel could not allocate its buffers (code {rc})")
+    return y

@@ -305,3 +305,70 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     free(count); free(pair); free(group_start); free(group_expert); free(scratch);
     return 0;
 }
+
+/* ---- a plain projection on the same register tile: y = x @ W.T -------------------------------------
+ * For the MoE models' other projections on AVX2 CPUs (MLA's q/kv down and up projections, o_proj, the
+ * router), which otherwise run on oneDNN there: the shared 8 x 48 panel GEMM (gemm.c) spills on 16
+ * ymm registers. W [N, K] packed once as ceil(N / NR) panels [K][NR] (zero-padded past N); threads
+ * split the panels; each panel is k-blocked like gated_group (a 2 * KC k-step block, 24 KiB, stays
+ * in L1 while every row tile of x uses it; the partial sums wait in a per-thread M x NR buffer).
+ * Every output element is one multiply-add chain over k = 0 .. K-1 in order whatever M and the tile
+ * its row lands in (batch-invariant for every M, one row included). */
+#define KCL (2 * KC)
+
+int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, int64_t K, int64_t N,
+                        float *y, int64_t ldy) {
+    if (M == 0 || N == 0) return 0;
+    const int64_t P = (N + NR - 1) / NR;
+#ifdef _OPENMP
+    const int nthreads = omp_get_max_threads();
+#else
+    const int nthreads = 1;
+#endif
+    const float **rows = malloc(sizeof(float *) * (size_t)M);
+    const size_t buf_bytes = (sizeof(float) * NR * (size_t)M + 63) / 64 * 64;
+    float *bufs = aligned_alloc(64, buf_bytes * (size_t)nthreads);
+    if (!rows || !bufs) {
+        free(rows); free(bufs);
+        return -2;
+    }
+    for (int64_t r = 0; r < M; ++r) rows[r] = x + r * ldx;
+#pragma omp parallel if (P > 1 && M * N * K >= 65536)
+    {
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num();
+#else
+        const int tid = 0;
+#endif
+        float *buf = (float *)((char *)bufs + (size_t)tid * buf_bytes);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; ++p) {
+            const float *wp = w + p * K * NR;
+            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+            for (int64_t k0 = 0; k0 < K; k0 += KCL) {
+                const int64_t kc = K - k0 < KCL ? K - k0 : KCL;
+                for (int64_t r0 = 0; r0 < M; r0 += MR) {
+                    const int mr = M - r0 < MR ? (int)(M - r0) : MR;
+                    const float *const *rr = rows + r0;
+                    float *b = buf + r0 * NR;
+                    switch (mr) {
+#define LBLOCK(m) case m: panel_block(m, rr, k0, wp + k0 * NR, kc, b, k0 == 0); break;
+#if MR == 8
+                    LBLOCK(8) LBLOCK(7) LBLOCK(6) LBLOCK(5)
+#endif
+                    LBLOCK(4) LBLOCK(3) LBLOCK(2)
+                    default: panel_block(1, rr, k0, wp + k0 * NR, kc, b, k0 == 0); break;
+#undef LBLOCK
+                    }
+                }
+            }
+            for (int64_t r = 0; r < M; ++r) {
+                vf a[3];
+                for (int c = 0; c < 3; ++c) a[c] = ldv(buf + r * NR + c * VW);
+                store_row(y + r * ldy + p * NR, a, ncols);
+            }
+        }
+    }
+    free(rows); free(bufs);
+    return 0;
+}

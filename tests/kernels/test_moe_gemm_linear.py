@@ -1,0 +1,64 @@
+"""deepinfer_kernels.moe_gemm.linear: the plain projection on the expert kernel's register tile, against
+torch, its row invariance (bitwise: a row's result never depends on M or the tile it lands in, across
+k blocks and threads), and input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_kernels import KernelInputError, moe_gemm
+
+if not moe_gemm.available():
+    pytest.skip("no C compiler here: the native kernels are not built", allow_module_level=True)
+
+
+def _w(n, k, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+
+
+# N off the panel width (24 / 48) and below one panel; K past one k block (256 / 128 steps) and odd; M off the row tile
+@pytest.mark.parametrize("M,N,K", [(1, 544, 1024), (3, 32, 64), (33, 768, 384), (8, 1024, 512), (17, 5, 7),
+                                   (130, 160, 1000)])
+def test_matches_torch(M, N, K):
+    w = _w(N, K, seed=N)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    y = moe_gemm.linear(x, moe_gemm.pack_linear(w))
+    assert y.shape == (M, N)
+    torch.testing.assert_close(y, x @ w.t(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_bits_do_not_depend_on_the_batch(threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = _w(200, 700, seed=1)
+        p = moe_gemm.pack_linear(w)
+        x = torch.randn(67, 700, generator=torch.Generator().manual_seed(2))
+        full = moe_gemm.linear(x, p)
+        for lo, hi in ((0, 1), (5, 6), (3, 10), (0, 33), (64, 67)):
+            assert torch.equal(moe_gemm.linear(x[lo:hi], p), full[lo:hi])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_strided_input_and_empty_batch():
+    w = _w(48, 96, seed=3)
+    p = moe_gemm.pack_linear(w)
+    big = torch.randn(9, 200, generator=torch.Generator().manual_seed(4))
+    x = big[:, 10:106]  # rows 200 apart
+    assert torch.equal(moe_gemm.linear(x, p), moe_gemm.linear(x.contiguous(), p))
+    assert moe_gemm.linear(torch.empty(0, 96), p).shape == (0, 48)
+
+
+def test_bad_inputs_are_named():
+    p = moe_gemm.pack_linear(_w(24, 16))
+    with pytest.raises(KernelInputError, match=r"linear: x must be float32 CPU \[M, 16\]"):
+        moe_gemm.linear(torch.randn(3, 17), p)
+    with pytest.raises(KernelInputError, match="linear: x"):
+        moe_gemm.linear(torch.randn(3, 16, dtype=torch.float64), p)
+    with pytest.raises(KernelInputError, match="pack_linear: w"):
+        moe_gemm.pack_linear(torch.randn(4, 4, 4))
+    with pytest.raises(KernelInputError, match="pack_linear: w"):
+        moe_gemm.pack_linear(torch.empty(0, 4))
