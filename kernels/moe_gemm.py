@@ -36,6 +36,8 @@ def _lib():
         lib.di_moe_nr.restype = ctypes.c_int
         lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
         lib.di_panel_linear_f32.restype = ctypes.c_int
+        lib.di_moe_set_dynamic.argtypes = [ctypes.c_int]
+        lib.di_moe_set_dynamic.restype = None
         _configured = True
     return lib
 
@@ -47,6 +49,12 @@ def available() -> bool:
 def panel_width() -> int:
     """Output columns per packed panel (48 with AVX-512, 24 otherwise: the register tile's width)."""
     return int(_lib().di_moe_nr())
+
+
+def set_dynamic_schedule(on: bool) -> None:
+    """Threads take the kernels' items dynamically (the default) or in equal static blocks; for
+    side-by-side measurements (benchmarks/moe_kernels.py). The bits are the same either way."""
+    _lib().di_moe_set_dynamic(1 if on else 0)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,25 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #endif
 #define PREFETCH_AHEAD(p) (__builtin_prefetch((const char *)(p) + PF_BYTES), __builtin_prefetch((const char *)(p) + PF_BYTES + 64))
 
+/* How threads share the (expert, panel) items and a linear's panels: dynamically (default; each
+ * thread takes the next item when done) or in equal static blocks. The items' work is uneven (an
+ * expert's row count) and on a shared machine a thread may be descheduled, so a static split leaves
+ * the other thread waiting at the barrier; benchmarks/moe_kernels.py measures both side by side
+ * (di_moe_set_dynamic). Which thread runs an item never changes its bits. */
+static int moe_dynamic = 1;
+void di_moe_set_dynamic(int on) { moe_dynamic = on != 0; }
+#ifdef _OPENMP
+#define SCHEDULE_BEGIN                                                                      \
+    omp_sched_t old_kind_;                                                                  \
+    int old_chunk_;                                                                         \
+    omp_get_schedule(&old_kind_, &old_chunk_);                                              \
+    omp_set_schedule(moe_dynamic ? omp_sched_dynamic : omp_sched_static, moe_dynamic ? 1 : 0);
+#define SCHEDULE_END omp_set_schedule(old_kind_, old_chunk_);
+#else
+#define SCHEDULE_BEGIN
+#define SCHEDULE_END
+#endif
+
 static inline vf ldv(const float *p) { return *(const vfu *)p; }
 static inline void stv(float *p, vf x) { *(vfu *)p = x; }
 /* (not (vf){0} + x where the intrinsic exists: that adds 0.0 to every broadcast scalar first) */
@@ -253,6 +272,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     }
     const int64_t Pi = (I + NR - 1) / NR, Ph = (H + NR - 1) / NR;
     const int64_t gu_stride = 2 * Pi * H * NR, down_stride = Ph * I * NR;
+    SCHEDULE_BEGIN
 #pragma omp parallel if (R * H * I >= 65536)
     {
 #ifdef _OPENMP
@@ -262,7 +282,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
 #endif
         const float **rows = (const float **)(scratch + (size_t)tid * per_thread);
         float *bg = (float *)(scratch + (size_t)tid * per_thread + ptr_bytes);
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Pi; ++item) {
             const int64_t g = item / Pi, p = item % Pi;
             const float *wg = gu + group_expert[g] * gu_stride + 2 * p * H * NR;
@@ -273,7 +293,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
             gated_group(rows, n, wg, wu, H, bg, bg + n * NR, h + r0 * I + p * NR, I, ncols);
         }
         /* (the implicit barrier of the loop above: every h row is complete here) */
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Ph; ++item) {
             const int64_t g = item / Ph, p = item % Ph;
             const float *w = down + group_expert[g] * down_stride + p * I * NR;
@@ -302,6 +322,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
             }
         }
     }
+    SCHEDULE_END
     free(count); free(pair); free(group_start); free(group_expert); free(scratch);
     return 0;
 }
@@ -333,6 +354,7 @@ int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, 
         return -2;
     }
     for (int64_t r = 0; r < M; ++r) rows[r] = x + r * ldx;
+    SCHEDULE_BEGIN
 #pragma omp parallel if (P > 1 && M * N * K >= 65536)
     {
 #ifdef _OPENMP
@@ -341,7 +363,7 @@ int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, 
         const int tid = 0;
 #endif
         float *buf = (float *)((char *)bufs + (size_t)tid * buf_bytes);
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t p = 0; p < P; ++p) {
             const float *wp = w + p * K * NR;
             const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
@@ -369,6 +391,7 @@ int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, 
             }
         }
     }
+    SCHEDULE_END
     free(rows); free(bufs);
     return 0;
 }

@@ -62,3 +62,24 @@ def test_bad_inputs_are_named():
         moe_gemm.pack_linear(torch.randn(4, 4, 4))
     with pytest.raises(KernelInputError, match="pack_linear: w"):
         moe_gemm.pack_linear(torch.empty(0, 4))
+
+
+def test_static_and_dynamic_thread_schedules_give_the_same_bits():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(9)
+        E, H, I, T, k = 8, 256, 96, 40, 2
+        packed = moe_gemm.pack_experts(torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        x = torch.randn(T, H, generator=g)
+        p = moe_gemm.pack_linear(_w(300, 256, seed=8))
+        outs = []
+        for dynamic in (False, True):
+            moe_gemm.set_dynamic_schedule(dynamic)
+            outs.append((moe_gemm.moe_experts(x, idx, packed), moe_gemm.linear(x, p)))
+    finally:
+        moe_gemm.set_dynamic_schedule(True)
+        torch.set_num_threads(old)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(outs[1][1], x @ _w(300, 256, seed=8).t(), atol=2e-5, rtol=1e-4)
