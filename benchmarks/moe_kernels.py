@@ -4,9 +4,10 @@ shared, so read the ratios):
 1. projections: moe_gemm.linear (the expert kernel's register tile, engine/native_projections.py)
    against the engine's packed linear (cpu_linear.CpuLinear: oneDNN on AVX2) and F.linear, on the
    DeepSeek-V3-shaped benchmark model's MLA / router shapes, at 1, 32 and 512 rows;
-2. the grouped expert kernel with a dynamic vs a static thread schedule (same bits), at the V3
-   layer's shapes (32 experts of 1024 x 256, top-4), and against the same kernel on one expert's
-   weights over all T * top-k rows (dense, same K / N, same threads).
+2. the grouped expert kernel with a dynamic vs a static thread schedule (same bits), with its
+   weights packed in huge-page-advised memory vs plain (kernels/huge_pages.py), at the V3 layer's
+   shapes (32 experts of 1024 x 256, top-4), and against the same kernel on one expert's weights
+   over all T * top-k rows (dense, same K / N, same threads).
 
     python benchmarks/moe_kernels.py [--rows 1 32 512] [--tokens 32 128] [--repeats 15]
 """
@@ -61,9 +62,12 @@ def main() -> None:
     E, H, I, k = 32, 1024, 256, 4
     gu, down = torch.randn(E, 2 * I, H, generator=g) * 0.03, torch.randn(E, H, I, generator=g) * 0.03
     experts = moe_gemm.pack_experts(gu, down)
+    plain = moe_gemm.pack_experts(gu, down, huge=False)
     one = moe_gemm.pack_experts(gu[:1].contiguous(), down[:1].contiguous())
-    print("\ngrouped experts (32 x 1024 x 256, top-4): dynamic vs static schedule; grouped vs dense, same kernel")
-    print(f"{'tokens':>6} {'dynamic GF/s':>13} {'static GF/s':>12} {'dyn/static':>11} {'dense GF/s':>11} {'grouped/dense':>14}")
+    print("\ngrouped experts (32 x 1024 x 256, top-4): dynamic vs static schedule; huge-page vs plain packing; "
+          "grouped vs dense, same kernel")
+    print(f"{'tokens':>6} {'dynamic GF/s':>13} {'static GF/s':>12} {'dyn/static':>11} {'plain pages':>12} "
+          f"{'huge/plain':>11} {'dense GF/s':>11} {'grouped/dense':>14}")
     with torch.inference_mode():
         for T in args.tokens:
             x = torch.randn(T, H, generator=g)
@@ -78,11 +82,12 @@ def main() -> None:
 
             try:
                 t = best_of([lambda: run(True, x, idx, experts), lambda: run(False, x, idx, experts),
-                             lambda: run(True, xr, zeros, one)], args.repeats)
+                             lambda: run(True, x, idx, plain), lambda: run(True, xr, zeros, one)], args.repeats)
             finally:
                 moe_gemm.set_dynamic_schedule(True)
             r = [flops / s / 1e9 for s in t]
-            print(f"{T:>6} {r[0]:>13.1f} {r[1]:>12.1f} {r[0] / r[1]:>10.2f}x {r[2]:>11.1f} {r[0] / r[2]:>14.2f}", flush=True)
+            print(f"{T:>6} {r[0]:>13.1f} {r[1]:>12.1f} {r[0] / r[1]:>10.2f}x {r[2]:>12.1f} {r[0] / r[2]:>10.2f}x "
+                  f"{r[3]:>11.1f} {r[0] / r[3]:>14.2f}", flush=True)
 
 
 if __name__ == "__main__":

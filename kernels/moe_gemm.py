@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import huge_pages, native
 from .errors import KernelInputError
 
 _configured = False
@@ -84,8 +84,9 @@ def _check_stack(name: str, w: torch.Tensor) -> None:
                                f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
 
 
-def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
-    """gate_up [E, 2I, H] (each expert's [gate; up]), down [E, H, I] -> PackedExperts (a copy)."""
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True) -> PackedExperts:
+    """gate_up [E, 2I, H] (each expert's [gate; up]), down [E, H, I] -> PackedExperts (a copy; huge:
+    in memory advised for transparent huge pages, see huge_pages.py)."""
     _check_stack("gate_up", gate_up)
     _check_stack("down", down)
     e, i2, h = gate_up.shape
@@ -96,7 +97,10 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
     i = i2 // 2
     g, u = _panels(gate_up[:, :i], nr), _panels(gate_up[:, i:], nr)
     gu = torch.stack([g, u], 2).flatten(1, 2).contiguous()  # [E, 2P, H, nr]: gate p, up p, ...
-    return PackedExperts(gu, _panels(down, nr), e, h, i)
+    d = _panels(down, nr)
+    if huge:
+        gu, d = huge_pages.copy(gu), huge_pages.copy(d)
+    return PackedExperts(gu, d, e, h, i)
 
 
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
@@ -145,13 +149,14 @@ class PackedLinear:
     in_features: int
 
 
-def pack_linear(w: torch.Tensor) -> PackedLinear:
-    """W [N, K] (float32 CPU) -> PackedLinear (a copy) for `linear`."""
+def pack_linear(w: torch.Tensor, huge: bool = True) -> PackedLinear:
+    """W [N, K] (float32 CPU) -> PackedLinear (a copy, huge-page-advised when huge) for `linear`."""
     if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
             or 0 in w.shape:
         raise KernelInputError(f"pack_linear: w must be a non-empty float32 CPU tensor [N, K], got "
                                f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
-    return PackedLinear(_panels(w.unsqueeze(0), panel_width())[0].contiguous(), w.shape[0], w.shape[1])
+    p = _panels(w.unsqueeze(0), panel_width())[0].contiguous()
+    return PackedLinear(huge_pages.copy(p) if huge else p, w.shape[0], w.shape[1])
 
 
 def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:

@@ -83,3 +83,22 @@ def test_static_and_dynamic_thread_schedules_give_the_same_bits():
         torch.set_num_threads(old)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     torch.testing.assert_close(outs[1][1], x @ _w(300, 256, seed=8).t(), atol=2e-5, rtol=1e-4)
+
+
+def test_huge_page_packing_keeps_values_and_bits():
+    from deepinfer_kernels import huge_pages
+
+    t = torch.randn(3 << 20, generator=torch.Generator().manual_seed(10))  # 12 MiB
+    c = huge_pages.copy(t.view(3, -1))
+    assert c.data_ptr() % huge_pages.HUGE == 0 and c.is_contiguous() and torch.equal(c.view(-1), t)
+    small = huge_pages.copy(t[:100])
+    assert torch.equal(small, t[:100])
+    g = torch.Generator().manual_seed(11)
+    gu, down = torch.randn(4, 2 * 96, 512, generator=g) * 0.1, torch.randn(4, 512, 96, generator=g) * 0.1
+    x, idx = torch.randn(9, 512, generator=g), torch.randint(0, 4, (9, 2), generator=g)
+    a = moe_gemm.moe_experts(x, idx, moe_gemm.pack_experts(gu, down, huge=True))
+    b = moe_gemm.moe_experts(x, idx, moe_gemm.pack_experts(gu, down, huge=False))
+    assert torch.equal(a, b)
+    w = _w(1000, 1100, seed=12)  # 4.3 MiB packed: past one huge page
+    xl = torch.randn(5, 1100, generator=g)
+    assert torch.equal(moe_gemm.linear(xl, moe_gemm.pack_linear(w, huge=True)), moe_gemm.linear(xl, moe_gemm.pack_linear(w, huge=False)))
