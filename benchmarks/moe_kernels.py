@@ -4,12 +4,12 @@ shared, so read the ratios):
 1. projections: moe_gemm.linear (the expert kernel's register tile, engine/native_projections.py)
    against the engine's packed linear (cpu_linear.CpuLinear: oneDNN on AVX2) and F.linear, on the
    DeepSeek-V3-shaped benchmark model's MLA / router shapes, at 1, 32 and 512 rows;
-2. the grouped expert kernel with a dynamic vs a static thread schedule (same bits), with its
-   weights packed in huge-page-advised memory vs plain (kernels/huge_pages.py), at the V3 layer's
-   shapes (32 experts of 1024 x 256, top-4), and against the same kernel on one expert's weights
+2. the grouped expert kernel with a dynamic vs a static thread schedule, with its weights packed in
+   huge-page-advised memory vs plain (kernels/huge_pages.py), with the last row tile prefetching the
+   next block vs not (all the same bits), at the V3 layer's shapes (32 experts of 1024 x 256, top-4), and against the same kernel on one expert's weights
    over all T * top-k rows (dense, same K / N, same threads).
 
-    python benchmarks/moe_kernels.py [--rows 1 32 512] [--tokens 32 128] [--repeats 15]
+    python benchmarks/moe_kernels.py [--rows 1 32 512] [--tokens 32 128 512] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def best_of(fns, repeats):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     print(f"threads={torch.get_num_threads()} best of {args.repeats} (shared, loaded machine: compare the ratios)")
@@ -64,10 +64,16 @@ def main() -> None:
     experts = moe_gemm.pack_experts(gu, down)
     plain = moe_gemm.pack_experts(gu, down, huge=False)
     one = moe_gemm.pack_experts(gu[:1].contiguous(), down[:1].contiguous())
-    print("\ngrouped experts (32 x 1024 x 256, top-4): dynamic vs static schedule; huge-page vs plain packing; "
-          "grouped vs dense, same kernel")
-    print(f"{'tokens':>6} {'dynamic GF/s':>13} {'static GF/s':>12} {'dyn/static':>11} {'plain pages':>12} "
-          f"{'huge/plain':>11} {'dense GF/s':>11} {'grouped/dense':>14}")
+    print("\ngrouped experts (32 x 1024 x 256, top-4), GFLOP/s: the default (dynamic schedule, huge-page packing,")
+    print("last tile prefetching the next block) against each switched off; grouped vs dense (one expert, same kernel)")
+    print(f"{'tokens':>6} {'default':>8} {'static':>8} {'x':>6} {'plain pg':>9} {'x':>6} {'no pf-next':>11} {'x':>6} "
+          f"{'dense':>7} {'grouped/dense':>14}")
+
+    def run(x, idx, packed, dynamic=True, pf_next=True):
+        moe_gemm.set_dynamic_schedule(dynamic)
+        moe_gemm.set_prefetch_next(pf_next)
+        moe_gemm.moe_experts(x, idx, packed)
+
     with torch.inference_mode():
         for T in args.tokens:
             x = torch.randn(T, H, generator=g)
@@ -75,19 +81,16 @@ def main() -> None:
             xr = torch.randn(T * k, H, generator=g)
             zeros = torch.zeros(T * k, 1, dtype=torch.long)
             flops = 2.0 * T * k * 3 * H * I
-
-            def run(dynamic, x, idx, packed):
-                moe_gemm.set_dynamic_schedule(dynamic)
-                moe_gemm.moe_experts(x, idx, packed)
-
             try:
-                t = best_of([lambda: run(True, x, idx, experts), lambda: run(False, x, idx, experts),
-                             lambda: run(True, x, idx, plain), lambda: run(True, xr, zeros, one)], args.repeats)
+                t = best_of([lambda: run(x, idx, experts), lambda: run(x, idx, experts, dynamic=False),
+                             lambda: run(x, idx, plain), lambda: run(x, idx, experts, pf_next=False),
+                             lambda: run(xr, zeros, one)], args.repeats)
             finally:
                 moe_gemm.set_dynamic_schedule(True)
+                moe_gemm.set_prefetch_next(True)
             r = [flops / s / 1e9 for s in t]
-            print(f"{T:>6} {r[0]:>13.1f} {r[1]:>12.1f} {r[0] / r[1]:>10.2f}x {r[2]:>12.1f} {r[0] / r[2]:>10.2f}x "
-                  f"{r[3]:>11.1f} {r[0] / r[3]:>14.2f}", flush=True)
+            print(f"{T:>6} {r[0]:>8.1f} {r[1]:>8.1f} {r[0] / r[1]:>5.2f}x {r[2]:>9.1f} {r[0] / r[2]:>5.2f}x "
+                  f"{r[3]:>11.1f} {r[0] / r[3]:>5.2f}x {r[4]:>7.1f} {r[0] / r[4]:>14.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ def _lib():
         lib.di_panel_linear_f32.restype = ctypes.c_int
         lib.di_moe_set_dynamic.argtypes = [ctypes.c_int]
         lib.di_moe_set_dynamic.restype = None
+        lib.di_moe_set_prefetch_next.argtypes = [ctypes.c_int]
+        lib.di_moe_set_prefetch_next.restype = None
         _configured = True
     return lib
 
@@ -55,6 +57,12 @@ def set_dynamic_schedule(on: bool) -> None:
     """Threads take the kernels' items dynamically (the default) or in equal static blocks; for
     side-by-side measurements (benchmarks/moe_kernels.py). The bits are the same either way."""
     _lib().di_moe_set_dynamic(1 if on else 0)
+
+
+def set_prefetch_next(on: bool) -> None:
+    """The last row tile of a group prefetches the next k block / panel (the default) or, like the
+    others, PF_BYTES ahead in its own; for side-by-side measurements. The bits are the same."""
+    _lib().di_moe_set_prefetch_next(1 if on else 0)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,19 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif
-#define PREFETCH_AHEAD(p) (__builtin_prefetch((const char *)(p) + PF_BYTES), __builtin_prefetch((const char *)(p) + PF_BYTES + 64))
+#define PREFETCH_AT(p, off) (__builtin_prefetch((const char *)(p) + (off)), __builtin_prefetch((const char *)(p) + (off) + 64))
+
+/* Where a row tile's prefetches point: PF_BYTES ahead in its panel, except in the last row tile of a
+ * group that has several (the panel block is in L1 by then and no later tile needs it): there they
+ * point one block (or, in the down GEMM, one panel) ahead, so that pass streams in what the next
+ * block's first tile will read, overlapping the fetch with the pass's FMAs at no extra instructions.
+ * Without it the first tile of every block waits on memory while the others never touch it.
+ * Switchable for side-by-side runs (di_moe_set_prefetch_next); the bits never depend on it. */
+static int moe_prefetch_next = 1;
+void di_moe_set_prefetch_next(int on) { moe_prefetch_next = on != 0; }
+static inline int64_t pf_offset(int64_t n, int64_t r0, int64_t next_bytes) {
+    return moe_prefetch_next && n > MR && r0 + MR >= n ? next_bytes : PF_BYTES;
+}
 
 /* How threads share the (expert, panel) items and a linear's panels: dynamically (default; each
  * thread takes the next item when done) or in equal static blocks. The items' work is uneven (an
@@ -128,12 +140,12 @@ static inline vf silu(vf g) { return g / (1.f + expv(-g)); }
 
 /* acc[r][c] = rows[r] . panel columns (all k, in order) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *const *rows,
-                                                             const float *w, int64_t K, vf acc[MR][3]) {
+                                                             const float *w, int64_t K, vf acc[MR][3], int64_t pf) {
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = splat(0.f);
     for (int64_t k = 0; k < K; ++k) {
         const float *wk = w + k * NR;
-        PREFETCH_AHEAD(wk);
+        PREFETCH_AT(wk, pf);
         vf w0 = ldv(wk), w1 = ldv(wk + VW), w2 = ldv(wk + 2 * VW);
         IN_REGISTERS(w0, w1, w2);
         for (int r = 0; r < mr; ++r) {
@@ -149,13 +161,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
  * order, starting from 0 when first. A partial sum leaves and re-enters registers exactly, so an
  * element's chain over k (and its bits) is the one panel_tile computes over the whole K. */
 static inline __attribute__((always_inline)) void panel_block(const int mr, const float *const *rows, int64_t k0,
-                                                              const float *w, int64_t kc, float *buf, int first) {
+                                                              const float *w, int64_t kc, float *buf, int first,
+                                                              int64_t pf) {
     vf acc[MR][3];
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = first ? splat(0.f) : ldv(buf + r * NR + c * VW);
     for (int64_t k = 0; k < kc; ++k) {
         const float *wk = w + k * NR;
-        PREFETCH_AHEAD(wk);
+        PREFETCH_AT(wk, pf);
         vf w0 = ldv(wk), w1 = ldv(wk + VW), w2 = ldv(wk + 2 * VW);
         IN_REGISTERS(w0, w1, w2);
         for (int r = 0; r < mr; ++r) {
@@ -181,14 +194,14 @@ static inline __attribute__((always_inline)) void store_row(float *y, vf a[3], i
 
 /* both panels' k block for one tile of mr rows (a constant in each case, so the tile is unrolled) */
 static inline void pair_block(const int mr, const float *const *rows, int64_t k0, const float *wg, const float *wu,
-                              int64_t kc, float *g, float *u) {
+                              int64_t kc, float *g, float *u, int64_t pf) {
     switch (mr) {
-#define PAIR(m) case m: panel_block(m, rows, k0, wg, kc, g, k0 == 0); panel_block(m, rows, k0, wu, kc, u, k0 == 0); break;
+#define PAIR(m) case m: panel_block(m, rows, k0, wg, kc, g, k0 == 0, pf); panel_block(m, rows, k0, wu, kc, u, k0 == 0, pf); break;
 #if MR == 8
     PAIR(8) PAIR(7) PAIR(6) PAIR(5)
 #endif
     PAIR(4) PAIR(3) PAIR(2)
-    default: panel_block(1, rows, k0, wg, kc, g, k0 == 0); panel_block(1, rows, k0, wu, kc, u, k0 == 0); break;
+    default: panel_block(1, rows, k0, wg, kc, g, k0 == 0, pf); panel_block(1, rows, k0, wu, kc, u, k0 == 0, pf); break;
 #undef PAIR
     }
 }
@@ -204,7 +217,8 @@ static void gated_group(const float *const *rows, int64_t n, const float *wg, co
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int64_t r0 = 0; r0 < n; r0 += MR) {
             const int mr = n - r0 < MR ? (int)(n - r0) : MR;
-            pair_block(mr, rows + r0, k0, wg + k0 * NR, wu + k0 * NR, kc, bg + r0 * NR, bu + r0 * NR);
+            pair_block(mr, rows + r0, k0, wg + k0 * NR, wu + k0 * NR, kc, bg + r0 * NR, bu + r0 * NR,
+                       pf_offset(n, r0, (int64_t)sizeof(float) * KC * NR));
         }
     }
     for (int64_t r = 0; r < n; ++r) {
@@ -216,9 +230,9 @@ static void gated_group(const float *const *rows, int64_t n, const float *wg, co
 
 static inline __attribute__((always_inline)) void down_tile(const int mr, const float *const *rows,
                                                             const float *w, int64_t K, float *const *out,
-                                                            int64_t ncols) {
+                                                            int64_t ncols, int64_t pf) {
     vf a[MR][3];
-    panel_tile(mr, rows, w, K, a);
+    panel_tile(mr, rows, w, K, a, pf);
     for (int r = 0; r < mr; ++r) store_row(out[r], a[r], ncols);
 }
 
@@ -301,6 +315,8 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
             for (int64_t r0 = group_start[g]; r0 < group_start[g + 1]; r0 += MR) {
                 const int64_t left = group_start[g + 1] - r0;
                 const int mr = left < MR ? (int)left : MR;
+                const int64_t pf = pf_offset(group_start[g + 1] - group_start[g], r0 - group_start[g],
+                                             (int64_t)sizeof(float) * I * NR);  /* the next panel */
                 const float *hrows[MR];
                 float *out[MR];
                 for (int r = 0; r < mr; ++r) {
@@ -309,15 +325,15 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
                 switch (mr) {
 #if MR == 8
-                case 8: down_tile(8, hrows, w, I, out, ncols); break;
-                case 7: down_tile(7, hrows, w, I, out, ncols); break;
-                case 6: down_tile(6, hrows, w, I, out, ncols); break;
-                case 5: down_tile(5, hrows, w, I, out, ncols); break;
+                case 8: down_tile(8, hrows, w, I, out, ncols, pf); break;
+                case 7: down_tile(7, hrows, w, I, out, ncols, pf); break;
+                case 6: down_tile(6, hrows, w, I, out, ncols, pf); break;
+                case 5: down_tile(5, hrows, w, I, out, ncols, pf); break;
 #endif
-                case 4: down_tile(4, hrows, w, I, out, ncols); break;
-                case 3: down_tile(3, hrows, w, I, out, ncols); break;
-                case 2: down_tile(2, hrows, w, I, out, ncols); break;
-                default: down_tile(1, hrows, w, I, out, ncols); break;
+                case 4: down_tile(4, hrows, w, I, out, ncols, pf); break;
+                case 3: down_tile(3, hrows, w, I, out, ncols, pf); break;
+                case 2: down_tile(2, hrows, w, I, out, ncols, pf); break;
+                default: down_tile(1, hrows, w, I, out, ncols, pf); break;
                 }
             }
         }
@@ -371,15 +387,16 @@ int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, 
                 const int64_t kc = K - k0 < KCL ? K - k0 : KCL;
                 for (int64_t r0 = 0; r0 < M; r0 += MR) {
                     const int mr = M - r0 < MR ? (int)(M - r0) : MR;
+                    const int64_t pf = pf_offset(M, r0, (int64_t)sizeof(float) * KCL * NR);
                     const float *const *rr = rows + r0;
                     float *b = buf + r0 * NR;
                     switch (mr) {
-#define LBLOCK(m) case m: panel_block(m, rr, k0, wp + k0 * NR, kc, b, k0 == 0); break;
+#define LBLOCK(m) case m: panel_block(m, rr, k0, wp + k0 * NR, kc, b, k0 == 0, pf); break;
 #if MR == 8
                     LBLOCK(8) LBLOCK(7) LBLOCK(6) LBLOCK(5)
 #endif
                     LBLOCK(4) LBLOCK(3) LBLOCK(2)
-                    default: panel_block(1, rr, k0, wp + k0 * NR, kc, b, k0 == 0); break;
+                    default: panel_block(1, rr, k0, wp + k0 * NR, kc, b, k0 == 0, pf); break;
 #undef LBLOCK
                     }
                 }

@@ -13,6 +13,11 @@ if not moe_gemm.available():
     pytest.skip("no C compiler here: the native kernels are not built", allow_module_level=True)
 
 
+def _stack(seed, E, H, I):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+
+
 def _w(n, k, seed=0):
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
 
@@ -64,24 +69,27 @@ def test_bad_inputs_are_named():
         moe_gemm.pack_linear(torch.empty(0, 4))
 
 
-def test_static_and_dynamic_thread_schedules_give_the_same_bits():
+def test_thread_schedules_and_prefetch_targets_give_the_same_bits():
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        g = torch.Generator().manual_seed(9)
         E, H, I, T, k = 8, 256, 96, 40, 2
-        packed = moe_gemm.pack_experts(torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1)
+        packed = moe_gemm.pack_experts(*_stack(9, E, H, I))
+        g = torch.Generator().manual_seed(90)
         idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
         x = torch.randn(T, H, generator=g)
         p = moe_gemm.pack_linear(_w(300, 256, seed=8))
         outs = []
-        for dynamic in (False, True):
+        for dynamic, prefetch_next in ((False, False), (True, False), (False, True), (True, True)):
             moe_gemm.set_dynamic_schedule(dynamic)
+            moe_gemm.set_prefetch_next(prefetch_next)
             outs.append((moe_gemm.moe_experts(x, idx, packed), moe_gemm.linear(x, p)))
     finally:
         moe_gemm.set_dynamic_schedule(True)
+        moe_gemm.set_prefetch_next(True)
         torch.set_num_threads(old)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs[1:])
+    torch.testing.assert_close(outs[0][0], moe_gemm.moe_experts_reference(x, idx, *_stack(9, E, H, I)), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(outs[1][1], x @ _w(300, 256, seed=8).t(), atol=2e-5, rtol=1e-4)
 
 
