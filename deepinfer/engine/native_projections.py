@@ -4,7 +4,8 @@ On CPUs without AVX-512 the runner's linear is oneDNN (the shared 8 x 48 panel G
 ymm registers, see cpu_linear.native_gemm_preferred), while the experts and the models' gated MLPs
 run on moe_gemm's 4 x 24 tile (expert_kernels.py). This moves the rest of a DeepSeek-style layer
 there too: MLA's q / kv down projections (one GEMM over [q_a; kv_a]: both read the same x), q_b and
-o_proj (MlaAttention.set_projection_kernels), and every MoE router (MoeBlock.router_kernel). Each
+o_proj (MlaAttention.set_projection_kernels), a GQA layer's qkv and o projections (Attention.kernels,
+Qwen-MoE), and every MoE router (MoeBlock.router_kernel). Each
 weight is packed once at load (the runner's linear then skips it). `moe_gemm.linear` gives each
 output one multiply-add chain over k in order, so batch invariance holds.
 
@@ -40,10 +41,11 @@ def _fp32_cpu(w: torch.Tensor) -> bool:
 
 
 def install_native_projections(model: nn.Module) -> int:
-    """Give every MlaAttention and MoeBlock of model native projection kernels; returns how many
+    """Give every MlaAttention, Attention and MoeBlock of model native projection kernels; returns how many
     modules got them (0 where the native GEMM is the runner's linear already, or weights are not
     fp32 CPU)."""
     from deepinfer.engine.cpu_linear import native_gemm_preferred
+    from deepinfer.engine.models.layers import Attention
     from deepinfer.engine.models.mla import MlaAttention
     from deepinfer.engine.models.moe import MoeBlock
 
@@ -53,6 +55,9 @@ def install_native_projections(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, MlaAttention) and _fp32_cpu(m.o_weight):
             m.set_projection_kernels({name: NativeLinear(w) for name, w in m.projection_weights().items()})
+            n += 1
+        elif isinstance(m, Attention) and _fp32_cpu(m.o_weight):
+            m.kernels = nn.ModuleDict({"qkv": NativeLinear(m.qkv_weight.data), "o": NativeLinear(m.o_weight.data)})
             n += 1
         elif isinstance(m, MoeBlock) and _fp32_cpu(m.gate_weight):
             m.router_kernel = NativeLinear(m.gate_weight.data)

@@ -82,3 +82,25 @@ def test_greedy_tokens_same_with_and_without(v3_path, monkeypatch):
     new = [o.token_ids for o in _engine(v3_path, monkeypatch, preferred=False).generate(prompts, sp)]
     old = [o.token_ids for o in _engine(v3_path, monkeypatch, preferred=True).generate(prompts, sp)]
     assert new == old
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_gqa_projections_of_qwen_moe_models(tmp_path, monkeypatch, arch):
+    from deepinfer.engine.models.layers import Attention
+
+    path = make_moe_model(tmp_path / arch, arch, seed=6)
+    eng = _engine(path, monkeypatch, preferred=False)
+    attns = [m for m in eng.runner.model.modules() if isinstance(m, Attention)]
+    assert attns and all(set(a.kernels) == {"qkv", "o"} for a in attns)
+    packed = set(getattr(eng.runner.linear, "packed", {}))
+    assert not packed & {w.data_ptr() for a in attns for w in (a.qkv_weight, a.o_weight)}
+    a = attns[0]
+    meta = ForwardContext(slot_mapping=torch.empty(0, dtype=torch.long), linear=eng.runner.linear, silu_mul=None)
+    x = torch.randn(5, a.qkv_weight.shape[1], generator=torch.Generator().manual_seed(1))
+    ref = x @ a.qkv_weight.t() + (a.qkv_bias if a.qkv_bias is not None else 0)
+    torch.testing.assert_close(a._proj("qkv", x, a.qkv_weight, a.qkv_bias, meta), ref, atol=2e-5, rtol=1e-4)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 9, 14, 3, 22, 7], [11, 4, 30, 2, 8, 19, 6, 1, 25]]
+    new = [o.token_ids for o in eng.generate(prompts, sp)]
+    old = [o.token_ids for o in _engine(path, monkeypatch, preferred=True).generate(prompts, sp)]
+    assert new == old
