@@ -3,7 +3,7 @@ shared, so read the ratios):
 
 1. projections: moe_gemm.linear (the expert kernel's register tile, engine/native_projections.py)
    against the engine's packed linear (cpu_linear.CpuLinear: oneDNN on AVX2) and F.linear, on the
-   DeepSeek-V3-shaped benchmark model's MLA / router shapes, at 1, 32 and 512 rows;
+   benchmark models' MLA / router / GQA shapes, at 1, 32 and 512 rows;
 2. the grouped expert kernel with a dynamic vs a static thread schedule, with its weights packed in
    huge-page-advised memory vs plain (kernels/huge_pages.py), with the last row tile prefetching the
    next block vs not (all the same bits), at the V3 layer's shapes (32 experts of 1024 x 256, top-4), and against the same kernel on one expert's weights
@@ -44,7 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"threads={torch.get_num_threads()} best of {args.repeats} (shared, loaded machine: compare the ratios)")
     g = torch.Generator().manual_seed(0)
-    shapes = {"mla down [q_a; kv_a]": (384 + 160, 1024), "q_b": (768, 384), "o_proj": (1024, 512), "router": (32, 1024)}
+    shapes = {"mla down [q_a; kv_a]": (384 + 160, 1024), "mla q_b": (768, 384), "mla o_proj": (1024, 512),
+              "router": (32, 1024), "gqa qkv (qwen3)": (1536, 1024), "gqa o (qwen3)": (1024, 1024)}
     ws = {k: torch.randn(*s, generator=g) * 0.03 for k, s in shapes.items()}
     lin = CpuLinear(list(ws.values()))
     packed = {k: moe_gemm.pack_linear(w) for k, w in ws.items()}
