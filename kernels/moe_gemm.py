@@ -5,7 +5,8 @@ with the other native kernels by `native.load`).
 `moe_experts(x, idx, packed)` returns [T, k, H]: row (t, j) is expert idx[t, j]'s gated MLP on
 x[t], computed in one call (a counting sort by expert, every active expert's gate/up GEMM with silu
 * mul in registers, then its down GEMM written to the pair's row). `moe_experts_reference` is the
-torch definition. Each output element is one multiply-add chain over k in order, so a pair's result
+torch definition. `pack_linear` / `linear` are a plain projection x @ W.T on the same register tile
+(for the MoE models' other projections on CPUs where the shared panel GEMM's tile spills). Each output element is one multiply-add chain over k in order, so a pair's result
 does not depend on which other tokens share its expert (batch-invariant).
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import huge_pages, native
 from .errors import KernelInputError
 
 _configured = False
@@ -33,6 +34,12 @@ def _lib():
         lib.di_moe_experts_f32.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, i64, fp, fp, i64]
         lib.di_moe_experts_f32.restype = ctypes.c_int
         lib.di_moe_nr.restype = ctypes.c_int
+        lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
+        lib.di_panel_linear_f32.restype = ctypes.c_int
+        lib.di_moe_set_dynamic.argtypes = [ctypes.c_int]
+        lib.di_moe_set_dynamic.restype = None
+        lib.di_moe_set_prefetch_next.argtypes = [ctypes.c_int]
+        lib.di_moe_set_prefetch_next.restype = None
         _configured = True
     return lib
 
@@ -44,6 +51,18 @@ def available() -> bool:
 def panel_width() -> int:
     """Output columns per packed panel (48 with AVX-512, 24 otherwise: the register tile's width)."""
     return int(_lib().di_moe_nr())
+
+
+def set_dynamic_schedule(on: bool) -> None:
+    """Threads take the kernels' items dynamically (the default) or in equal static blocks; for
+    side-by-side measurements (benchmarks/moe_kernels.py). The bits are the same either way."""
+    _lib().di_moe_set_dynamic(1 if on else 0)
+
+
+def set_prefetch_next(on: bool) -> None:
+    """The last row tile of a group prefetches the next k block / panel (the default) or, like the
+    others, PF_BYTES ahead in its own; for side-by-side measurements. The bits are the same."""
+    _lib().di_moe_set_prefetch_next(1 if on else 0)
 
 
 @dataclass(frozen=True)
@@ -73,8 +92,9 @@ def _check_stack(name: str, w: torch.Tensor) -> None:
                                f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
 
 
-def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
-    """gate_up [E, 2I, H] (each expert's [gate; up]), down [E, H, I] -> PackedExperts (a copy)."""
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True) -> PackedExperts:
+    """gate_up [E, 2I, H] (each expert's [gate; up]), down [E, H, I] -> PackedExperts (a copy; huge:
+    in memory advised for transparent huge pages, see huge_pages.py)."""
     _check_stack("gate_up", gate_up)
     _check_stack("down", down)
     e, i2, h = gate_up.shape
@@ -85,7 +105,10 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> PackedExperts:
     i = i2 // 2
     g, u = _panels(gate_up[:, :i], nr), _panels(gate_up[:, i:], nr)
     gu = torch.stack([g, u], 2).flatten(1, 2).contiguous()  # [E, 2P, H, nr]: gate p, up p, ...
-    return PackedExperts(gu, _panels(down, nr), e, h, i)
+    d = _panels(down, nr)
+    if huge:
+        gu, d = huge_pages.copy(gu), huge_pages.copy(d)
+    return PackedExperts(gu, d, e, h, i)
 
 
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
@@ -123,3 +146,41 @@ def moe_experts_reference(x: torch.Tensor, idx: torch.Tensor, gate_up: torch.Ten
     gu = torch.einsum("th,tkoh->tko", x, gate_up[idx])
     act = F.silu(gu[..., :i]) * gu[..., i:]
     return torch.einsum("tki,tkhi->tkh", act, down[idx])
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """W [N, K] in panels [ceil(N / NR), K, NR] (zero-padded past N)."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_linear(w: torch.Tensor, huge: bool = True) -> PackedLinear:
+    """W [N, K] (float32 CPU) -> PackedLinear (a copy, huge-page-advised when huge) for `linear`."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
+            or 0 in w.shape:
+        raise KernelInputError(f"pack_linear: w must be a non-empty float32 CPU tensor [N, K], got "
+                               f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    p = _panels(w.unsqueeze(0), panel_width())[0].contiguous()
+    return PackedLinear(huge_pages.copy(p) if huge else p, w.shape[0], w.shape[1])
+
+
+def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N]; every output one multiply-add chain over k in order (row-invariant)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.shape[1] != packed.in_features:
+        raise KernelInputError(f"linear: x must be float32 CPU [M, {packed.in_features}], got "
+                               f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if x.stride(1) != 1 or x.stride(0) < packed.in_features:
+        x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, packed.out_features, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = _lib().di_panel_linear_f32(x.data_ptr(), x.stride(0), m, packed.panels.data_ptr(), packed.in_features,
+                                    packed.out_features, y.data_ptr(), packed.out_features)
+    if rc != 0:
+        raise MemoryError(f"linear: the native kernel could not allocate its buffers (code {rc})")
+    return y

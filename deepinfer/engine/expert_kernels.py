@@ -163,4 +163,7 @@ def install_native_experts(model: nn.Module) -> int:
         for m in model.modules():
             if isinstance(m, GatedMLP) and m.gate_up_weight.dtype == torch.float32 and m.gate_up_weight.device.type == "cpu":
                 m.kernel = NativeGatedMlp(m.gate_up_weight.data, m.down_weight.data)
+        from deepinfer.engine.native_projections import install_native_projections
+
+        install_native_projections(model)  # MLA's projections and the routers, on the same tile
     return n

@@ -67,7 +67,41 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif
-#define PREFETCH_AHEAD(p) (__builtin_prefetch((const char *)(p) + PF_BYTES), __builtin_prefetch((const char *)(p) + PF_BYTES + 64))
+#define PREFETCH_AT(p, off) (__builtin_prefetch((const char *)(p) + (off)), __builtin_prefetch((const char *)(p) + (off) + 64))
+
+/* Where a row tile's prefetches point: PF_BYTES ahead in its panel, except in the last row tile of a
+ * group that has several (the panel block is in L1 by then and no later tile needs it): there they
+ * point one block (or, in the down GEMM, one panel) ahead, so that pass streams in what the next
+ * block's first tile will read, overlapping the fetch with the pass's FMAs at no extra instructions.
+ * Without it the first tile of every block waits on memory while the others never touch it.
+ * Switchable for side-by-side runs (di_moe_set_prefetch_next); the bits never depend on it.
+ * benchmarks/moe_kernels.py, V3 layer shapes, 1 thread, machine shared with other jobs (noise +-20%:
+ * the schedule switch, a no-op at 1 thread, read 0.82-1.22x): 1.41x at 512 tokens, 0.84-0.98x at
+ * 32-128 (within the noise). Huge pages in the same run: 1.11x at 512, 0.79-1.04x at 32-128. */
+static int moe_prefetch_next = 1;
+void di_moe_set_prefetch_next(int on) { moe_prefetch_next = on != 0; }
+static inline int64_t pf_offset(int64_t n, int64_t r0, int64_t next_bytes) {
+    return moe_prefetch_next && n > MR && r0 + MR >= n ? next_bytes : PF_BYTES;
+}
+
+/* How threads share the (expert, panel) items and a linear's panels: dynamically (default; each
+ * thread takes the next item when done) or in equal static blocks. The items' work is uneven (an
+ * expert's row count) and on a shared machine a thread may be descheduled, so a static split leaves
+ * the other thread waiting at the barrier; benchmarks/moe_kernels.py measures both side by side
+ * (di_moe_set_dynamic). Which thread runs an item never changes its bits. */
+static int moe_dynamic = 1;
+void di_moe_set_dynamic(int on) { moe_dynamic = on != 0; }
+#ifdef _OPENMP
+#define SCHEDULE_BEGIN                                                                      \
+    omp_sched_t old_kind_;                                                                  \
+    int old_chunk_;                                                                         \
+    omp_get_schedule(&old_kind_, &old_chunk_);                                              \
+    omp_set_schedule(moe_dynamic ? omp_sched_dynamic : omp_sched_static, moe_dynamic ? 1 : 0);
+#define SCHEDULE_END omp_set_schedule(old_kind_, old_chunk_);
+#else
+#define SCHEDULE_BEGIN
+#define SCHEDULE_END
+#endif
 
 static inline vf ldv(const float *p) { return *(const vfu *)p; }
 static inline void stv(float *p, vf x) { *(vfu *)p = x; }
@@ -109,12 +143,12 @@ static inline vf silu(vf g) { return g / (1.f + expv(-g)); }
 
 /* acc[r][c] = rows[r] . panel columns (all k, in order) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *const *rows,
-                                                             const float *w, int64_t K, vf acc[MR][3]) {
+                                                             const float *w, int64_t K, vf acc[MR][3], int64_t pf) {
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = splat(0.f);
     for (int64_t k = 0; k < K; ++k) {
         const float *wk = w + k * NR;
-        PREFETCH_AHEAD(wk);
+        PREFETCH_AT(wk, pf);
         vf w0 = ldv(wk), w1 = ldv(wk + VW), w2 = ldv(wk + 2 * VW);
         IN_REGISTERS(w0, w1, w2);
         for (int r = 0; r < mr; ++r) {
@@ -130,13 +164,14 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
  * order, starting from 0 when first. A partial sum leaves and re-enters registers exactly, so an
  * element's chain over k (and its bits) is the one panel_tile computes over the whole K. */
 static inline __attribute__((always_inline)) void panel_block(const int mr, const float *const *rows, int64_t k0,
-                                                              const float *w, int64_t kc, float *buf, int first) {
+                                                              const float *w, int64_t kc, float *buf, int first,
+                                                              int64_t pf) {
     vf acc[MR][3];
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = first ? splat(0.f) : ldv(buf + r * NR + c * VW);
     for (int64_t k = 0; k < kc; ++k) {
         const float *wk = w + k * NR;
-        PREFETCH_AHEAD(wk);
+        PREFETCH_AT(wk, pf);
         vf w0 = ldv(wk), w1 = ldv(wk + VW), w2 = ldv(wk + 2 * VW);
         IN_REGISTERS(w0, w1, w2);
         for (int r = 0; r < mr; ++r) {
@@ -162,14 +197,14 @@ static inline __attribute__((always_inline)) void store_row(float *y, vf a[3], i
 
 /* both panels' k block for one tile of mr rows (a constant in each case, so the tile is unrolled) */
 static inline void pair_block(const int mr, const float *const *rows, int64_t k0, const float *wg, const float *wu,
-                              int64_t kc, float *g, float *u) {
+                              int64_t kc, float *g, float *u, int64_t pf) {
     switch (mr) {
-#define PAIR(m) case m: panel_block(m, rows, k0, wg, kc, g, k0 == 0); panel_block(m, rows, k0, wu, kc, u, k0 == 0); break;
+#define PAIR(m) case m: panel_block(m, rows, k0, wg, kc, g, k0 == 0, pf); panel_block(m, rows, k0, wu, kc, u, k0 == 0, pf); break;
 #if MR == 8
     PAIR(8) PAIR(7) PAIR(6) PAIR(5)
 #endif
     PAIR(4) PAIR(3) PAIR(2)
-    default: panel_block(1, rows, k0, wg, kc, g, k0 == 0); panel_block(1, rows, k0, wu, kc, u, k0 == 0); break;
+    default: panel_block(1, rows, k0, wg, kc, g, k0 == 0, pf); panel_block(1, rows, k0, wu, kc, u, k0 == 0, pf); break;
 #undef PAIR
     }
 }
@@ -185,7 +220,8 @@ static void gated_group(const float *const *rows, int64_t n, const float *wg, co
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int64_t r0 = 0; r0 < n; r0 += MR) {
             const int mr = n - r0 < MR ? (int)(n - r0) : MR;
-            pair_block(mr, rows + r0, k0, wg + k0 * NR, wu + k0 * NR, kc, bg + r0 * NR, bu + r0 * NR);
+            pair_block(mr, rows + r0, k0, wg + k0 * NR, wu + k0 * NR, kc, bg + r0 * NR, bu + r0 * NR,
+                       pf_offset(n, r0, (int64_t)sizeof(float) * KC * NR));
         }
     }
     for (int64_t r = 0; r < n; ++r) {
@@ -197,9 +233,9 @@ static void gated_group(const float *const *rows, int64_t n, const float *wg, co
 
 static inline __attribute__((always_inline)) void down_tile(const int mr, const float *const *rows,
                                                             const float *w, int64_t K, float *const *out,
-                                                            int64_t ncols) {
+                                                            int64_t ncols, int64_t pf) {
     vf a[MR][3];
-    panel_tile(mr, rows, w, K, a);
+    panel_tile(mr, rows, w, K, a, pf);
     for (int r = 0; r < mr; ++r) store_row(out[r], a[r], ncols);
 }
 
@@ -253,6 +289,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     }
     const int64_t Pi = (I + NR - 1) / NR, Ph = (H + NR - 1) / NR;
     const int64_t gu_stride = 2 * Pi * H * NR, down_stride = Ph * I * NR;
+    SCHEDULE_BEGIN
 #pragma omp parallel if (R * H * I >= 65536)
     {
 #ifdef _OPENMP
@@ -262,7 +299,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
 #endif
         const float **rows = (const float **)(scratch + (size_t)tid * per_thread);
         float *bg = (float *)(scratch + (size_t)tid * per_thread + ptr_bytes);
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Pi; ++item) {
             const int64_t g = item / Pi, p = item % Pi;
             const float *wg = gu + group_expert[g] * gu_stride + 2 * p * H * NR;
@@ -273,7 +310,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
             gated_group(rows, n, wg, wu, H, bg, bg + n * NR, h + r0 * I + p * NR, I, ncols);
         }
         /* (the implicit barrier of the loop above: every h row is complete here) */
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Ph; ++item) {
             const int64_t g = item / Ph, p = item % Ph;
             const float *w = down + group_expert[g] * down_stride + p * I * NR;
@@ -281,6 +318,8 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
             for (int64_t r0 = group_start[g]; r0 < group_start[g + 1]; r0 += MR) {
                 const int64_t left = group_start[g + 1] - r0;
                 const int mr = left < MR ? (int)left : MR;
+                const int64_t pf = pf_offset(group_start[g + 1] - group_start[g], r0 - group_start[g],
+                                             (int64_t)sizeof(float) * I * NR);  /* the next panel */
                 const float *hrows[MR];
                 float *out[MR];
                 for (int r = 0; r < mr; ++r) {
@@ -289,19 +328,90 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
                 switch (mr) {
 #if MR == 8
-                case 8: down_tile(8, hrows, w, I, out, ncols); break;
-                case 7: down_tile(7, hrows, w, I, out, ncols); break;
-                case 6: down_tile(6, hrows, w, I, out, ncols); break;
-                case 5: down_tile(5, hrows, w, I, out, ncols); break;
+                case 8: down_tile(8, hrows, w, I, out, ncols, pf); break;
+                case 7: down_tile(7, hrows, w, I, out, ncols, pf); break;
+                case 6: down_tile(6, hrows, w, I, out, ncols, pf); break;
+                case 5: down_tile(5, hrows, w, I, out, ncols, pf); break;
 #endif
-                case 4: down_tile(4, hrows, w, I, out, ncols); break;
-                case 3: down_tile(3, hrows, w, I, out, ncols); break;
-                case 2: down_tile(2, hrows, w, I, out, ncols); break;
-                default: down_tile(1, hrows, w, I, out, ncols); break;
+                case 4: down_tile(4, hrows, w, I, out, ncols, pf); break;
+                case 3: down_tile(3, hrows, w, I, out, ncols, pf); break;
+                case 2: down_tile(2, hrows, w, I, out, ncols, pf); break;
+                default: down_tile(1, hrows, w, I, out, ncols, pf); break;
                 }
             }
         }
     }
+    SCHEDULE_END
     free(count); free(pair); free(group_start); free(group_expert); free(scratch);
+    return 0;
+}
+
+/* ---- a plain projection on the same register tile: y = x @ W.T -------------------------------------
+ * For the MoE models' other projections on AVX2 CPUs (MLA's q/kv down and up projections, o_proj, the
+ * router), which otherwise run on oneDNN there: the shared 8 x 48 panel GEMM (gemm.c) spills on 16
+ * ymm registers. W [N, K] packed once as ceil(N / NR) panels [K][NR] (zero-padded past N); threads
+ * split the panels; each panel is k-blocked like gated_group (a 2 * KC k-step block, 24 KiB, stays
+ * in L1 while every row tile of x uses it; the partial sums wait in a per-thread M x NR buffer).
+ * Every output element is one multiply-add chain over k = 0 .. K-1 in order whatever M and the tile
+ * its row lands in (batch-invariant for every M, one row included). */
+#define KCL (2 * KC)
+
+int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, int64_t K, int64_t N,
+                        float *y, int64_t ldy) {
+    if (M == 0 || N == 0) return 0;
+    const int64_t P = (N + NR - 1) / NR;
+#ifdef _OPENMP
+    const int nthreads = omp_get_max_threads();
+#else
+    const int nthreads = 1;
+#endif
+    const float **rows = malloc(sizeof(float *) * (size_t)M);
+    const size_t buf_bytes = (sizeof(float) * NR * (size_t)M + 63) / 64 * 64;
+    float *bufs = aligned_alloc(64, buf_bytes * (size_t)nthreads);
+    if (!rows || !bufs) {
+        free(rows); free(bufs);
+        return -2;
+    }
+    for (int64_t r = 0; r < M; ++r) rows[r] = x + r * ldx;
+    SCHEDULE_BEGIN
+#pragma omp parallel if (P > 1 && M * N * K >= 65536)
+    {
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num();
+#else
+        const int tid = 0;
+#endif
+        float *buf = (float *)((char *)bufs + (size_t)tid * buf_bytes);
+#pragma omp for schedule(runtime)
+        for (int64_t p = 0; p < P; ++p) {
+            const float *wp = w + p * K * NR;
+            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+            for (int64_t k0 = 0; k0 < K; k0 += KCL) {
+                const int64_t kc = K - k0 < KCL ? K - k0 : KCL;
+                for (int64_t r0 = 0; r0 < M; r0 += MR) {
+                    const int mr = M - r0 < MR ? (int)(M - r0) : MR;
+                    const int64_t pf = pf_offset(M, r0, (int64_t)sizeof(float) * KCL * NR);
+                    const float *const *rr = rows + r0;
+                    float *b = buf + r0 * NR;
+                    switch (mr) {
+#define LBLOCK(m) case m: panel_block(m, rr, k0, wp + k0 * NR, kc, b, k0 == 0, pf); break;
+#if MR == 8
+                    LBLOCK(8) LBLOCK(7) LBLOCK(6) LBLOCK(5)
+#endif
+                    LBLOCK(4) LBLOCK(3) LBLOCK(2)
+                    default: panel_block(1, rr, k0, wp + k0 * NR, kc, b, k0 == 0, pf); break;
+#undef LBLOCK
+                    }
+                }
+            }
+            for (int64_t r = 0; r < M; ++r) {
+                vf a[3];
+                for (int c = 0; c < 3; ++c) a[c] = ldv(buf + r * NR + c * VW);
+                store_row(y + r * ldy + p * NR, a, ncols);
+            }
+        }
+    }
+    SCHEDULE_END
+    free(rows); free(bufs);
     return 0;
 }

@@ -14,6 +14,10 @@ radix cache, chunked prefill, fork) run on latent pages unchanged: the value is 
 (its rope tail is computed and dropped: rope/(kv_lora_rank + rope) extra work, 11% at V3's sizes).
 The absorbed projections run per head through ForwardContext.linear (packed, row-invariant), so
 the batch-invariant mode holds.
+
+`set_projection_kernels` (engine/native_projections.py, CPU fp32 MoE models) moves the q / kv down
+projections (fused into one GEMM: both read x), q_b and o off ForwardContext.linear onto callables
+x -> x @ W.T (row-invariant too).
 """
 
 from __future__ import annotations
@@ -59,10 +63,42 @@ class MlaAttention(nn.Module):
         self.uv = nn.ParameterList(w(self.v_dim, self.r) for _ in range(H))
         self.o_weight = w(h, H * self.v_dim)
         self.rotary = rotary
+        # name -> module x -> x @ W.T, replacing meta.linear for that weight: "down" (q_a (or q) and
+        # kv_a stacked, [q rows; kv_a rows]), "q_b", "o"; set by set_projection_kernels
+        self.kernels = nn.ModuleDict()
 
-    def latent(self, x: torch.Tensor, rope, meta: ForwardContext) -> torch.Tensor:
-        """[T, kv_lora_rank + rope]: the cache entry of each token (normed latent, rotated rope key)."""
-        ckv = meta.linear(x, self.kv_a_weight, None)
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        """The weights a projection kernel replaces: "down" = [q_a (or q); kv_a] stacked, "q_b", "o"."""
+        q = self.q_weight if self.q_lora is None else self.q_a_weight
+        ws = {"down": torch.cat([q.data, self.kv_a_weight.data], 0), "o": self.o_weight.data}
+        if self.q_lora is not None:
+            ws["q_b"] = self.q_b_weight.data
+        return ws
+
+    def set_projection_kernels(self, kernels: dict) -> None:
+        """kernels: a subset of projection_weights()' names -> module x -> x @ W.T ({}: meta.linear for all)."""
+        unknown = set(kernels) - {"down", "q_b", "o"}
+        if unknown:
+            raise ValueError(f"unknown MLA projection(s) {sorted(unknown)}")
+        self.kernels = nn.ModuleDict(kernels)
+
+    def _down(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_a(x) or q(x), kv_a(x)): one GEMM when the fused kernel is installed."""
+        if "down" in self.kernels:
+            both = self.kernels["down"](x)
+            nq = both.shape[1] - (self.r + self.rope_dim)
+            return both[:, :nq], both[:, nq:]
+        q = self.q_weight if self.q_lora is None else self.q_a_weight
+        return meta.linear(x, q, None), meta.linear(x, self.kv_a_weight, None)
+
+    def _proj(self, name: str, x: torch.Tensor, w: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
+        return self.kernels[name](x) if name in self.kernels else meta.linear(x, w, None)
+
+    def latent(self, x: torch.Tensor, rope, meta: ForwardContext, ckv: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, kv_lora_rank + rope]: the cache entry of each token (normed latent, rotated rope key);
+        ckv: kv_a(x) when already computed."""
+        if ckv is None:
+            ckv = meta.linear(x, self.kv_a_weight, None)
         c = self.kv_a_layernorm(ckv[:, : self.r].contiguous())
         k_pe = ckv[:, None, self.r :]
         if self.interleave:
@@ -71,11 +107,10 @@ class MlaAttention(nn.Module):
 
     def forward(self, rope, x, meta: ForwardContext, kv_cache) -> torch.Tensor:
         T, H = x.shape[0], self.n_heads
-        if self.q_lora is None:
-            q = meta.linear(x, self.q_weight, None)
-        else:
-            q = meta.linear(self.q_a_layernorm(meta.linear(x, self.q_a_weight, None)), self.q_b_weight, None)
-        q = q.view(T, H, self.qk)
+        q, ckv = self._down(x, meta)
+        if self.q_lora is not None:
+            q = self._proj("q_b", self.q_a_layernorm(q.contiguous()), self.q_b_weight, meta)
+        q = q.contiguous().view(T, H, self.qk)
         q_pe = q[..., self.nope :]
         if self.interleave:
             q_pe = deinterleave(q_pe)
@@ -89,7 +124,7 @@ class MlaAttention(nn.Module):
             # into a fresh [H, T, r], then copied: bmm's out= into the transposed view measured 2.5x slower
             q_full[..., : self.r] = torch.bmm(q[..., : self.nope].transpose(0, 1), self.uk_stack).transpose(0, 1)
         cache = kv_cache[0]  # [slots, 1, kv_lora_rank + rope]
-        cache.index_copy_(0, meta.slot_mapping, self.latent(x, rope, meta).unsqueeze(1))
+        cache.index_copy_(0, meta.slot_mapping, self.latent(x, rope, meta, ckv).unsqueeze(1))
         o = paged_attention(q_full, None, None, cache, cache, meta, self.scale)  # [T, H, r + rope]
         out = torch.empty(T, H, self.v_dim, dtype=x.dtype, device=x.device)
         if per_head:
@@ -97,11 +132,16 @@ class MlaAttention(nn.Module):
                 out[:, h] = meta.linear(o[:, h, : self.r].contiguous(), self.uv[h], None)
         else:
             out = torch.bmm(o[..., : self.r].transpose(0, 1), self.uv_stack).transpose(0, 1).contiguous()
-        return meta.linear(out.view(T, H * self.v_dim), self.o_weight, None)
+        return self._proj("o", out.view(T, H * self.v_dim), self.o_weight, meta)
 
     def linear_weights(self) -> list[torch.Tensor]:
-        ws = [self.q_weight] if self.q_lora is None else [self.q_a_weight, self.q_b_weight]
-        ws += [self.kv_a_weight, self.o_weight, *self.uk_t, *self.uv]
+        # (only the weights still going through meta.linear: a kernel holds its own packed copy)
+        ws = [] if "down" in self.kernels else ([self.q_weight] if self.q_lora is None else [self.q_a_weight]) + [self.kv_a_weight]
+        if self.q_lora is not None and "q_b" not in self.kernels:
+            ws.append(self.q_b_weight)
+        if "o" not in self.kernels:
+            ws.append(self.o_weight)
+        ws += [*self.uk_t, *self.uv]
         return [t.data for t in ws]
 
     def load(self, p: str, take, put) -> None:

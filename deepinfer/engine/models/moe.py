@@ -66,6 +66,7 @@ class MoeBlock(nn.Module):
         # the global ids of the experts this block holds, in the order of its weight lists
         self._set_local_experts(list(range(E)) if local_experts is None else list(local_experts))
         self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
+        self.router_kernel = None  # fn(x [T, H] fp32) -> x @ gate_weight.T, row-invariant (native_projections.py)
         # the router stays fp32 whatever the model dtype (DeepSeek-V3 routes in fp32; on CPU all is fp32)
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False)
         self.score_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if moe.correction_bias else None
@@ -136,7 +137,9 @@ class MoeBlock(nn.Module):
     def route(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64), slots ordered by descending choice score."""
         m = self.moe
-        if x.dtype == torch.float32:
+        if x.dtype == torch.float32 and self.router_kernel is not None:
+            logits = self.router_kernel(x)
+        elif x.dtype == torch.float32:
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
@@ -229,7 +232,8 @@ class MoeBlock(nn.Module):
     # ---- weights --------------------------------------------------------------------------------
     def linear_weights(self) -> list[torch.Tensor]:
         # (the experts' weights only while they go through ForwardContext.linear, not the expert kernel)
-        ws = [self.gate_weight.data] + ([w.data for w in self.expert_down] if self.expert_kernel is None else [])
+        ws = [self.gate_weight.data] if self.router_kernel is None else []
+        ws += [w.data for w in self.expert_down] if self.expert_kernel is None else []
         if self.shared is not None:
             ws += self.shared.linear_weights()
         if self.shared_gate_weight is not None:
