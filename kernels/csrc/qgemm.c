@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "qgemm.h"
+#include "qgemm_avx2.h"
 
 #define MR 4 /* rows of x per tile: each block is unpacked once for up to 4 rows */
 
@@ -181,14 +182,6 @@ static void rows_int8_scalar(int fmt, const uint8_t *wrow, int64_t nb, const int
 }
 
 /* ---- AVX2 kernels -------------------------------------------------------------------------------- */
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 AVX2 static inline float f16(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
@@ -235,22 +228,9 @@ AVX2 static inline __attribute__((always_inline)) void rows_exact_avx2(int fmt, 
     for (int64_t b = 0; b < nb; ++b) {
         __m256 w[4];
         dequant_block_avx2(fmt, wrow + b * bb, w);
-        for (int r = 0; r < mr; ++r) {
-            const float *xb = x + r * ldx + b * QK;
-            a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a1[r]);
-            a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a1[r]);
-        }
+        fma32_rows(w, x + b * QK, ldx, mr, a0, a1);
     }
     for (int r = 0; r < mr; ++r) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
-}
-
-/* sum over the block of w_j * q_j as 8 int32 lanes: maddubs needs an unsigned left operand, so
- * signed weights go in as |w| with their sign moved onto the activations */
-AVX2 static inline __m256i dot_i8(__m256i w_signed, __m256i q) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w_signed, w_signed), _mm256_sign_epi8(q, w_signed));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
 AVX2 static inline __attribute__((always_inline)) void rows_int8_avx2(int fmt, const uint8_t *wrow, int64_t nb, const int8_t *qx, const float *xs,

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "qgemm.h"
+#include "qgemm_avx2.h"
 
 #define MR 4
 
@@ -139,14 +140,6 @@ static void tile_int8_scalar(int fmt, const uint8_t *wrow, int64_t K, const int8
 }
 
 /* ---- AVX2 ----------------------------------------------------------------------------------------- */
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* sub-block g's 32 quants as signed bytes */
 AVX2 static inline void kq_quants_avx2(int fmt, const uint8_t *b, __m256i q[8]) {
@@ -224,23 +217,10 @@ AVX2 static inline __attribute__((always_inline)) void tile_exact_avx2(int fmt, 
         for (int g = 0; g < 8; ++g) {
             __m256 w[4];
             sub_block_ps(q[g], &s, g, w);
-            for (int r = 0; r < mr; ++r) {
-                const float *xb = x + r * ldx + sb * QK_K + 32 * g;
-                a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a0[r]);
-                a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a1[r]);
-                a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a0[r]);
-                a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a1[r]);
-            }
+            fma32_rows(w, x + sb * QK_K + 32 * g, ldx, mr, a0, a1);
         }
     }
     for (int r = 0; r < mr; ++r) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
-}
-
-/* sum of w_j q_j as 8 int32 lanes (lanes 0-3: bytes 0-15, 4-7: bytes 16-31); maddubs wants an
- * unsigned left operand, so |w| goes left and w's sign moves onto the activations */
-AVX2 static inline __m256i dot_i8(__m256i w, __m256i q) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
 AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2(int fmt, const uint8_t *wrow, int64_t K,

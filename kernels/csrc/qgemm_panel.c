@@ -17,17 +17,10 @@
 #include <stdlib.h>
 
 #include "qgemm.h"
+#include "qgemm_avx2.h"
 
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define PR 2 /* rows of x per register tile */
 #define PJ 3 /* weight rows per register tile (and per dequantised buffer) */
-
-AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* y[r, j] for r < mr, j < nj: x rows ldx apart, w = nj dequantised rows K apart */
 AVX2 static inline __attribute__((always_inline)) void tile(const int mr, const int nj, const float *x, int64_t ldx,
