@@ -1,17 +1,14 @@
-"""Attention data parallelism: which rank runs each sequence of a step, and the step's batch cut
-into one ForwardBatch per rank (each rank attends for its own sequences and dispatches its own
-tokens to their experts; only the experts are shared).
+"""Attention data parallelism: the step's batch cut into one ForwardBatch per rank (each rank
+attends for its own sequences and dispatches its own tokens to their experts; only the experts are
+shared).
 
-A sequence runs on the rank that wrote its first KV block, so its prefix-cache hits and forks read
-KV that rank holds: every block of a sequence is recorded as written by the sequence's rank, a
-radix-cache path is always written by the rank of its first block (every sequence extending it
-starts with that block), and a KV copy (fork) gives the copy its source block's rank. A sequence
-whose first block no rank has written yet goes to the rank with the fewest tokens in this step.
-Block ids stay global (one block pool in the engine), so every rank's pool has the engine's size.
+Each rank has its own KV pool: the engine's block ids are partitioned (engine/kv_pools.py, rank r
+holds ids r * stride .. r * stride + stride - 1, its scratch block last), so a sequence's blocks name
+its rank, and a rank's sub-batch carries local ids (global - r * stride). Which rank runs a sequence
+is decided when it is admitted (kv_pools.RankedKV): the KV pool it gets is the rank it runs on.
 
 A rank with no sequence in a step still takes part in every MoE layer's collectives: it runs a
-one-token step on a scratch block the engine never hands out (`scratch_batch`), whose logits
-nobody reads.
+one-token step on its scratch block (`scratch_batch`), whose logits nobody reads.
 """
 
 from __future__ import annotations
@@ -22,35 +19,23 @@ from deepinfer.engine.forward_batch import ForwardBatch
 
 
 class RankSplit:
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, stride: int):
         self.world_size = world_size
-        self.block_rank: dict[int, int] = {}  # KV block id -> the rank that wrote it last
+        self.stride = stride  # blocks per rank's pool, its scratch block included
 
-    def copied(self, src_block: int, dst_block: int) -> None:
-        r = self.block_rank.get(src_block)
-        if r is not None:
-            self.block_rank[dst_block] = r
+    def local(self, block: int) -> tuple[int, int]:
+        """(rank, local id) of a global block id."""
+        return divmod(block, self.stride)
 
     def split(self, batch: ForwardBatch) -> tuple[list[ForwardBatch | None], list[torch.Tensor]]:
-        """Per rank: its sub-batch (None: no sequence here) and, for each of its logit rows, that
-        row's index in the whole batch's logits."""
-        N, bs = self.world_size, batch.block_size
+        """Per rank: its sub-batch in local block ids (None: no sequence here) and, for each of its
+        logit rows, that row's index in the whole batch's logits."""
+        N, bs, P = self.world_size, batch.block_size, self.stride
         lens = batch.query_lens.tolist()
-        ctx = batch.context_lens.tolist()
-        tables = batch.block_tables.tolist()
         B = len(lens)
-        rank_of = [self.block_rank.get(tables[i][0]) for i in range(B)]
-        load = [0] * N
-        for i, r in enumerate(rank_of):
-            if r is not None:
-                load[r] += lens[i]
-        for i in range(B):
-            if rank_of[i] is None:
-                r = min(range(N), key=lambda r: (load[r], r))
-                rank_of[i] = r
-                load[r] += lens[i]
-            for b in tables[i][: -(-ctx[i] // bs)]:
-                self.block_rank[b] = rank_of[i]
+        rank_of = (batch.block_tables[:, 0] // P).tolist()
+        used = -(-batch.context_lens // bs)  # blocks each sequence's context covers
+        cols = torch.arange(batch.block_tables.shape[1])
         starts = [0] * B
         for i in range(1, B):
             starts[i] = starts[i - 1] + lens[i - 1]
@@ -63,13 +48,19 @@ class RankSplit:
                 subs.append(None)
                 gathers.append(torch.empty(0, dtype=torch.long))
                 continue
+            sel = torch.tensor(seqs, dtype=torch.long)
+            tables = batch.block_tables[sel]
+            live = cols[None, :] < used[sel][:, None]
+            if bool(((tables // P != r) & live).any()):
+                raise RuntimeError(f"a sequence run on rank {r} has KV blocks of another rank's pool: {tables.tolist()}")
             rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in seqs])
             mine = [(new, where[int(old)]) for new, old in enumerate(rows.tolist()) if int(old) in where]
-            sel = torch.tensor(seqs, dtype=torch.long)
             subs.append(ForwardBatch(
-                input_ids=batch.input_ids[rows], positions=batch.positions[rows], slot_mapping=batch.slot_mapping[rows],
+                input_ids=batch.input_ids[rows], positions=batch.positions[rows],
+                slot_mapping=batch.slot_mapping[rows] - r * P * bs,
                 query_lens=batch.query_lens[sel], context_lens=batch.context_lens[sel],
-                block_tables=batch.block_tables[sel], logit_rows=torch.tensor([n for n, _ in mine], dtype=torch.long),
+                block_tables=torch.where(live, tables - r * P, 0),
+                logit_rows=torch.tensor([n for n, _ in mine], dtype=torch.long),
                 num_decodes=sum(1 for i in seqs if i < batch.num_decodes), block_size=bs))
             gathers.append(torch.tensor([k for _, k in mine], dtype=torch.long))
         return subs, gathers

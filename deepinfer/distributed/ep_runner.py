@@ -1,10 +1,10 @@
 """The engine process's stand-in for ModelRunner under expert parallelism (make_ep_runner picks it, or
 group_runner.py inside a launched group): starts N worker processes
 (torch.multiprocessing, spawn), ships each step's ForwardBatch to all of them and returns rank 0's
-logits. The engine's scheduler, KV block pool and radix cache stay in the engine process; each step
-is cut into one sub-batch per rank (dp_split.py: attention is data-parallel, a sequence runs where
-its KV is) and the ranks' logits rows are put back together in the step's order. Every rank's KV
-pool has the engine's block count, so block ids mean the same on every rank.
+logits. The engine's scheduler and its per-rank block pools and radix caches (engine/kv_pools.py)
+stay in the engine process; each step is cut into one sub-batch per rank (dp_split.py: attention is
+data-parallel, a sequence runs on the rank whose pool holds its KV, in that pool's local block ids)
+and the ranks' logits rows are put back together in the step's order.
 
 Faults: every reply is awaited together with every worker's process sentinel, up to
 expert_parallel_timeout. A worker that exits ends the engine at once, named by rank; one that
@@ -61,15 +61,15 @@ def check_ep_config(config, model_config) -> None:
 
 
 def with_kv_budget(config, device: torch.device, N: int):
-    """One KV budget, decided by the engine process, so every rank sizes the same pool (block ids
-    mean the same on every rank)."""
+    """One KV budget per rank, decided by the engine process, so every rank sizes the same pool (the
+    engine partitions block ids with one stride). On CPU the N pools share the machine's memory."""
     if config.kv_cache_memory is not None:
         return config
     from deepinfer.engine.model_runner import available_memory
 
-    budget = int(available_memory(device) * config.kv_cache_fraction) // N  # N replicas of the cache
+    budget = int(available_memory(device) * config.kv_cache_fraction)
     if device.type == "cpu":
-        budget = min(budget, config.max_kv_cache_memory_cpu)
+        budget = min(budget, config.max_kv_cache_memory_cpu) // N
     return dataclasses.replace(config, kv_cache_memory=max(budget, 1))
 
 
@@ -126,9 +126,8 @@ class RankRunners:
     _forwards = 0
 
     def __init__(self, config, model_config, model_source: str, device: torch.device, dtype: torch.dtype, N: int):
-        from deepinfer.distributed.dp_split import RankSplit
-
-        self.split = RankSplit(N)  # which rank runs which sequence (attention data parallelism)
+        self.split = None  # the step cut per rank (attention data parallelism), once the pools' size is known
+        self.kv_ranks = N  # one KV pool per rank (engine/kv_pools.py)
         self.config = config
         self.model_config = model_config
         self.model_source = model_source
@@ -142,6 +141,23 @@ class RankRunners:
 
     def weight_bytes(self) -> int:
         return sum(i["weight_bytes"] for i in self.info)
+
+    def _pools_sized(self, infos: list[dict]) -> None:
+        """Every rank sized the same KV pool: num_blocks usable blocks each (plus its scratch block)."""
+        from deepinfer.distributed.dp_split import RankSplit
+
+        if len({i["num_blocks"] for i in infos}) != 1:
+            self.close()
+            raise ExpertParallelConfigError(f"ranks sized different KV pools: {[i['num_blocks'] for i in infos]}")
+        self.num_blocks = infos[0]["num_blocks"]
+        self.split = RankSplit(self.world_size, self.num_blocks + 1)
+
+    def _copy_msg(self, src_block: int, dst_block: int, n: int) -> tuple:
+        """The KV copy command: run by the rank whose pool holds both blocks, in its local ids."""
+        (r, src), (r2, dst) = self.split.local(src_block), self.split.local(dst_block)
+        if r != r2:
+            raise RuntimeError(f"KV copy between pools of rank {r} and rank {r2} (blocks {src_block} -> {dst_block})")
+        return ("copy_kv", r, src, dst, n)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         return batch  # each rank prepares its own attention metadata
@@ -201,10 +217,7 @@ class EpRunner(RankRunners):
         self._finalizer = weakref.finalize(self, EpRunner._cleanup, list(self.procs), self._dir)
         infos = self._collect("start-up", STARTUP_TIMEOUT_S)
         self.info = infos
-        if len({i["num_blocks"] for i in infos}) != 1:
-            self.close()
-            raise ExpertParallelConfigError(f"workers sized different KV pools: {[i['num_blocks'] for i in infos]}")
-        self.num_blocks = infos[0]["num_blocks"]
+        self._pools_sized(infos)
         self.kv_bytes_per_token = infos[0]["kv_bytes_per_token"]
         self.bytes_per_block = self.block_size * self.kv_bytes_per_token
         self.precision = infos[0]["precision"]
@@ -219,8 +232,7 @@ class EpRunner(RankRunners):
         return self._merge_logits([unpack_tensor(o) for o in out], rows)
 
     def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
-        self.split.copied(src_block, dst_block)
-        self._send_all([("copy_kv", src_block, dst_block, n)] * self.world_size)
+        self._send_all([self._copy_msg(src_block, dst_block, n)] * self.world_size)
         self._collect("a KV copy", self.timeout)
 
     def rebalance_experts(self) -> dict:

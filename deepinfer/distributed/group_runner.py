@@ -121,10 +121,7 @@ class GroupRunner(RankRunners):
             raise
         infos = [about] + [self._reply(f"about/{r}", r, "start-up", STARTUP_TIMEOUT_S) for r in range(1, N)]
         self.info = infos
-        if len({i["num_blocks"] for i in infos}) != 1:
-            self.close()
-            raise ExpertParallelConfigError(f"ranks sized different KV pools: {[i['num_blocks'] for i in infos]}")
-        self.num_blocks = infos[0]["num_blocks"]  # (the pool less its scratch block)
+        self._pools_sized(infos)
         self.kv_bytes_per_token = self.local.kv_bytes_per_token
         self.bytes_per_block = self.block_size * self.kv_bytes_per_token
         self.precision = self.local.precision
@@ -146,9 +143,9 @@ class GroupRunner(RankRunners):
         return self._merge_logits(parts, rows)
 
     def copy_kv_tokens(self, src_block: int, dst_block: int, n: int) -> None:
-        self.split.copied(src_block, dst_block)
-        self._put(("copy_kv", src_block, dst_block, n))
-        self.local.copy_kv_tokens(src_block, dst_block, n)
+        msg = self._copy_msg(src_block, dst_block, n)
+        self._put(msg)
+        execute(self.local, self.stats, msg, want_logits=False)
 
     def rebalance_experts(self) -> dict:
         """Re-place the redundant expert copies from the load measured since the last time (eplb.py)."""

@@ -59,6 +59,7 @@ def build_runner(config, model_source: str, device, dtype_name: str, rank: int, 
     del loaded
     # the pool's last block is this rank's scratch block (dp_split.scratch_batch), never the engine's
     runner.ep_scratch_block = runner.num_blocks - 1
+    runner.ep_rank = rank
     return runner, dict(num_blocks=runner.num_blocks - 1, kv_bytes_per_token=runner.kv_bytes_per_token,
                         weight_bytes=runner.weight_bytes(), precision=runner.precision,
                         moe_layers=sharded[0], pid=os.getpid())
@@ -79,8 +80,9 @@ def execute(runner, stats, msg, want_logits: bool):
         logits = runner.forward(runner.prepare(batch))
         stats.forward_s += time.perf_counter() - t0
         return pack_tensor(logits) if want_logits else logits
-    if op == "copy_kv":
-        runner.copy_kv_tokens(*msg[1:])
+    if op == "copy_kv":  # ("copy_kv", the rank whose pool holds both blocks, local src, local dst, tokens)
+        if msg[1] == runner.ep_rank:
+            runner.copy_kv_tokens(*msg[2:])
         return None
     if op == "rebalance":
         from deepinfer.distributed.eplb import rebalance

@@ -20,9 +20,8 @@ from typing import Any, Sequence as Seq
 import torch
 
 from deepinfer.engine.admission import error_output, prompt_list, typed_admission_errors
-from deepinfer.engine.block_allocator import BlockAllocator
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.kv_pools import make_kv
 from deepinfer.engine.draft_model import DRAFT_KEY
 from deepinfer.engine.drafter import NgramDrafter, SuffixIndex
 from deepinfer.engine.input_processor import InputProcessor, PromptType
@@ -137,13 +136,9 @@ class Engine:
             self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
                                       quantized=loaded.quantized, quant_mode=quant_mode)
         del loaded
-        self.allocator = BlockAllocator(self.runner.num_blocks, cfg.block_size)
-        radix = None
-        if cfg.enable_prefix_caching:
-            from deepinfer.engine.radix_cache import RadixCache
-
-            radix = RadixCache(self.allocator)
-        self.kv = KVCacheManager(self.allocator, radix)
+        # one KV pool, or one per data-parallel attention rank (expert parallelism)
+        self.kv = make_kv(getattr(self.runner, "kv_ranks", 1), self.runner.num_blocks, cfg.block_size,
+                          cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.kv)
         self.stats = EngineStats()
         self.stats.weight_bytes, self.stats.checkpoint_bytes = self.runner.weight_bytes(), _checkpoint_bytes(self.model_source)
@@ -258,10 +253,10 @@ class Engine:
                 "(at least one token must be left to generate)"
             )
         blocks_needed = -(-(len(ids) + 1) // self.config.block_size)
-        if blocks_needed > self.allocator.num_blocks:
+        if blocks_needed > self.kv.max_seq_blocks:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the KV cache holds only "
-                f"{self.allocator.num_blocks * self.config.block_size}; raise kv_cache_memory"
+                f"{self.kv.max_seq_blocks * self.config.block_size} per sequence; raise kv_cache_memory"
             )
         if request_id is None:
             request_id = f"req-{self.inputs.next_arrival()}"
@@ -285,19 +280,11 @@ class Engine:
     def pin_prefix(self, token_ids: list[int]):
         """Keep the cached KV of token_ids' longest cached prefix from eviction until
         unpin_prefix(handle); returns the handle (None when nothing is cached)."""
-        radix = self.kv.radix
-        if radix is None:
-            return None
-        m = radix.match_prefix(list(token_ids))
-        if m.num_tokens == 0:
-            return None
-        radix.lock(m.node)
-        return m.node
+        return self.kv.pin_prefix(token_ids)
 
     def unpin_prefix(self, handle) -> None:
         """Release a pin_prefix handle."""
-        if handle is not None and self.kv.radix is not None:
-            self.kv.radix.unlock(handle)
+        self.kv.unpin(handle)
 
     def precompile(self, params: SamplingParams):
         """Start compiling params' constraint in the grammar compile threads; a Future of it (None when
@@ -720,8 +707,7 @@ class Engine:
         return [results[o] if isinstance(o, str) else o for o in order]
 
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        return self.kv.num_free_blocks()
 
     def reset_prefix_cache(self) -> None:
-        if self.kv.radix is not None:
-            self.kv.radix.reset()
+        self.kv.reset_cache()

@@ -18,11 +18,32 @@ class KVCacheManager:
         self.block_size = allocator.block_size
         self.radix = radix  # RadixCache or None (prefix caching off)
 
+    @property
+    def caching(self) -> bool:
+        """Prefix caching is on."""
+        return self.radix is not None
+
     # ---- capacity -----------------------------------------------------------------------------
     def num_available_blocks(self) -> int:
         """Free blocks plus blocks the radix cache could evict."""
         extra = self.radix.evictable_blocks if self.radix is not None else 0
         return self.allocator.num_free + extra
+
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def max_seq_blocks(self) -> int:
+        """The most blocks one sequence can hold."""
+        return self.allocator.num_blocks
+
+    def fits(self, demands: list[tuple[Sequence, int]]) -> bool:
+        """Whether every (sequence, tokens it must cover) could get its blocks at once."""
+        return sum(self.blocks_needed(s, n) for s, n in demands) <= self.num_available_blocks()
+
+    def same_pool(self, a: Sequence, b: Sequence) -> bool:
+        """Whether freeing a's blocks can make room for b (one pool: always)."""
+        return True
 
     def _take(self, n: int) -> list[int] | None:
         if n <= 0:
@@ -82,6 +103,26 @@ class KVCacheManager:
             return False
         seq.block_table.extend(blocks)
         return True
+
+    # ---- pins (a program batch's shared prefix) -----------------------------------------------
+    def pin_prefix(self, token_ids: list[int]):
+        """Lock the longest cached prefix of token_ids against eviction; a handle for unpin, or None."""
+        if self.radix is None:
+            return None
+        m = self.radix.match_prefix(list(token_ids))
+        if m.num_tokens == 0:
+            return None
+        self.radix.lock(m.node)
+        return m.node
+
+    def unpin(self, handle) -> None:
+        if handle is not None and self.radix is not None:
+            self.radix.unlock(handle)
+
+    def reset_cache(self) -> None:
+        """Drop every unlocked cached page."""
+        if self.radix is not None:
+            self.radix.reset()
 
     # ---- release ------------------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:

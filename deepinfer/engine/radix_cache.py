@@ -167,11 +167,11 @@ class RadixCache:
             )
         if len(set(blocks)) != len(blocks):
             raise RadixCacheError(f"block list has repeated ids: {list(blocks)}")
-        n = self.allocator.num_blocks
+        a = self.allocator
         for b in blocks:
-            if not 0 <= b < n:
-                raise RadixCacheError(f"block id {b} out of range [0, {n})")
-            if not self.allocator._used[b]:
+            if not a.owns(b):
+                raise RadixCacheError(f"block id {b} out of range [{a.first}, {a.first + a.num_blocks})")
+            if not a.is_used(b):
                 raise RadixCacheError(f"block {b} handed to the cache is not allocated")
 
     # ----------------------------------------------------------------- matching
@@ -408,7 +408,7 @@ class RadixCache:
             tokens += len(n.key)
             for b in n.blocks:
                 assert b not in seen, f"block {b} owned by two nodes"
-                assert self.allocator._used[b], f"block {b} is in the tree but free in the allocator"
+                assert self.allocator.is_used(b), f"block {b} is in the tree but free in the allocator"
                 seen.add(b)
             if n.lock_ref > 0:
                 protected += len(n.blocks)

@@ -88,7 +88,8 @@ class Scheduler:
                     seq.draft_token_ids.clear()
                     n = 1
                     continue
-                victim = self.running[-1]
+                # the newest sequence whose blocks can make room (with one KV pool per rank: on seq's)
+                victim = next(v for v in reversed(self.running) if self.kv.same_pool(v, seq))
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -97,7 +98,7 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break  # seq itself was preempted: it was the newest, nothing after it is left
+            # seq itself was preempted (the newest of its pool); the ones after it, of other pools, go on
 
         # 2. admit waiting sequences
         if not out.preempted:
@@ -133,7 +134,7 @@ class Scheduler:
         return out
 
     def _would_recompute_shared_prefix(self, seq: Sequence, matched: int, admitted: list[Sequence]) -> bool:
-        if self.kv.radix is None or not admitted:
+        if not self.kv.caching or not admitted:
             return False
         need = matched + max(self.kv.block_size, 16)
         tokens = seq.all_token_ids
@@ -145,16 +146,16 @@ class Scheduler:
         return False
 
     def _running_fits(self, budget: int) -> bool:
-        need = 0
+        demands = []
         for seq in self.running:
             n = self._running_tokens(seq, budget)
             if n <= 0:
                 break
-            need += self.kv.blocks_needed(seq, seq.num_computed_tokens + n)
+            demands.append((seq, seq.num_computed_tokens + n))
             budget -= n
             if budget <= 0:
                 break
-        return need <= self.kv.num_available_blocks()
+        return self.kv.fits(demands)
 
     def _running_tokens(self, seq: Sequence, budget: int) -> int:
         """Query tokens of a running sequence this step: its next prefill chunk, or its last token
@@ -183,7 +184,7 @@ class Scheduler:
 
     def _order_waiting(self) -> None:
         """Longest-cached-prefix first within a bounded window at the head of the queue (lpm)."""
-        if self.config.schedule_policy != "lpm" or self.kv.radix is None or len(self.waiting) < 2:
+        if self.config.schedule_policy != "lpm" or not self.kv.caching or len(self.waiting) < 2:
             return
         w = min(self.config.lpm_window, len(self.waiting))
         head = [self.waiting.popleft() for _ in range(w)]

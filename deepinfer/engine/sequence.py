@@ -30,6 +30,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     prefix_node: Any = None  # radix node locked by this sequence
     num_tree_blocks: int = 0  # leading blocks of block_table owned by the radix tree (not by us)
+    kv_pool: int | None = None  # the rank whose KV pool holds its blocks (kv_pools.RankedKV), while it holds any
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None

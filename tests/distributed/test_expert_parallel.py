@@ -201,3 +201,25 @@ def test_ep4_equal_ep1(models, engines, arch):
         engines.append(eng)
         assert _runs(eng) == ref
         eng.close()
+
+
+def test_each_rank_holds_its_own_sequences_kv(models, engines):
+    """One KV pool per rank: with a per-rank pool of 10 blocks, four sequences of 5 blocks each run
+    two per rank without a preemption (one pool of that size must preempt), tokens equal EP=1's, and
+    each rank's prefix cache holds the pages of the sequences it ran."""
+    path = str(models["qwen3_moe"])
+    bpt = Engine(path, **KW).runner.kv_bytes_per_token
+    kw = dict(KW, kv_cache_memory=11 * 4 * bpt)  # 11 blocks of 4 tokens per rank (one is the scratch block)
+    prompts = [[100 + 13 * i + j for j in range(12)] for i in range(4)]  # 12 + 8 tokens: 5 blocks each
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = Engine(path, **kw)
+    ref = [o.token_ids for o in one.generate(prompts, params)]
+    assert one.stats.num_preemptions > 0  # 20 blocks do not fit one pool of 11
+    eng = Engine(path, expert_parallel_size=2, **kw)
+    engines.append(eng)
+    assert eng.runner.num_blocks == 10 and eng.kv.max_seq_blocks == 10
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.num_preemptions == 0
+    cached = [p.radix.total_cached_tokens for p in eng.kv.pools]
+    assert cached == [2 * 16, 2 * 16]  # each rank cached its two sequences' four full pages
+    assert eng.kv.num_free_blocks() + sum(p.radix.evictable_blocks for p in eng.kv.pools) == 20

@@ -75,7 +75,7 @@ def test_fifty_slow_schemas_compile_while_sixteen_requests_decode(tiny_models, s
         assert o.finish_reason == "stop", (o.finish_reason, o.error, o.text)
         jsonschema.validate(json.loads(o.text), schema)
     assert len(slow_compiles) == 50
-    assert eng.allocator.num_free == eng.allocator.num_blocks
+    assert eng.kv.allocator.num_free == eng.kv.allocator.num_blocks
 
 
 def test_a_compile_past_the_limit_fails_only_its_request(tiny_models, monkeypatch):

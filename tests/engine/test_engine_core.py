@@ -21,11 +21,11 @@ def assert_all_blocks_free(eng: Engine) -> None:
     held = radix.protected_blocks if radix is not None else 0
     cached = radix.evictable_blocks if radix is not None else 0
     assert held == 0, "a finished request still locks radix-cache blocks"
-    assert eng.allocator.num_free + cached == eng.allocator.num_blocks, "KV blocks leaked"
+    assert eng.kv.allocator.num_free + cached == eng.kv.allocator.num_blocks, "KV blocks leaked"
     if radix is not None:
         radix.check_invariants()
         radix.reset()
-    assert eng.allocator.num_free == eng.allocator.num_blocks
+    assert eng.kv.allocator.num_free == eng.kv.allocator.num_blocks
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,7 @@ def test_fuzzed_requests_get_typed_errors_and_never_hurt_a_neighbour(fuzz_engine
     assert not eng.has_unfinished()
     radix = eng.kv.radix
     assert radix is None or radix.protected_blocks == 0, "a finished request still locks KV blocks"
-    assert eng.allocator.num_free + (radix.evictable_blocks if radix else 0) == eng.allocator.num_blocks
+    assert eng.kv.allocator.num_free + (radix.evictable_blocks if radix else 0) == eng.kv.allocator.num_blocks
     # ru_maxrss is in KiB on Linux: one request must not grow the process by hundreds of MB
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 300 * 1024
 

@@ -83,10 +83,10 @@ def test_fork_shares_blocks_and_matches_fresh_requests(llama, block_size):
     parent = eng.add_request(PREFIX, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for _ in range(4):
         eng.step()
-    used_before = eng.allocator.num_blocks - eng.allocator.num_free
+    used_before = eng.kv.allocator.num_blocks - eng.kv.allocator.num_free
     kids_params = [SamplingParams(temperature=0.9, max_tokens=8, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     kids = eng.fork(parent, 3, kids_params)
-    used_after = eng.allocator.num_blocks - eng.allocator.num_free
+    used_after = eng.kv.allocator.num_blocks - eng.kv.allocator.num_free
     # only the partial last page is copied per child
     assert used_after - used_before <= 3
     tokens = eng._seqs[kids[0]].prompt_token_ids

@@ -34,7 +34,7 @@ def _check_kv(eng: Engine) -> None:
     if radix is not None:
         radix.check_invariants()
     cached = radix.evictable_blocks + radix.protected_blocks if radix is not None else 0
-    assert eng.allocator.num_free + cached <= eng.allocator.num_blocks
+    assert eng.kv.allocator.num_free + cached <= eng.kv.allocator.num_blocks
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -43,7 +43,7 @@ def test_soak_every_request_finishes_once_and_nothing_leaks(tiny_models, overlap
     # 96 KB of KV (~190 tokens at 512 B/token) for dozens of live requests: constant preemption
     eng = Engine(str(tiny_models["llama"]), kv_cache_memory=96 << 10, block_size=4, max_num_seqs=16,
                  overlap_schedule=overlap)
-    pool_tokens = eng.allocator.num_blocks * eng.config.block_size
+    pool_tokens = eng.kv.allocator.num_blocks * eng.config.block_size
     submitted: set[str] = set()
     finished: dict[str, int] = {}
     aborted: set[str] = set()
