@@ -103,11 +103,13 @@ def run(path: str, ep: int, mode: str, batch: int, new: int, vocab: int) -> dict
     eng = Engine(path, expert_parallel_size=ep, expert_parallel_dispatch=mode, **kw) if ep > 1 else Engine(path, **kw)
     try:
         timers = _LocalTimers(eng) if ep == 1 else None
+        kv_blocks = eng.kv.num_free_blocks()  # kv_cache_memory is per rank: EP=N holds N pools
         g = torch.Generator().manual_seed(1)
         sp = SamplingParams(temperature=0, max_tokens=new + 1, ignore_eos=True)
         for _ in range(batch):
             eng.add_request(torch.randint(3, vocab, (16,), generator=g).tolist(), sp)
         eng.step()  # the prefill (and first token)
+        per_rank = list(eng.kv.live) if ep > 1 else [batch]  # sequences whose KV each rank holds
         if ep > 1:
             eng.runner.comm_stats(reset=True)
         else:
@@ -120,7 +122,7 @@ def run(path: str, ep: int, mode: str, batch: int, new: int, vocab: int) -> dict
                     tokens.append(o.token_ids)
             steps += 1
         wall = (time.perf_counter() - t0) / steps
-        out = dict(ep=ep, mode=mode, steps=steps, wall=wall, tokens=tokens)
+        out = dict(ep=ep, mode=mode, steps=steps, wall=wall, tokens=tokens, kv_blocks=kv_blocks, per_rank=per_rank)
         if ep > 1:
             st = eng.runner.comm_stats()
             avg = {k: sum(s[k] for s in st) / ep for k in ("forward_s", "moe_s", "expert_s", "dispatch_s", "combine_s")}
@@ -204,7 +206,7 @@ def main() -> None:
                 rows.append(run(path, ep, mode, args.batch, args.new_tokens, vocab))
         base = rows[0]
         print(f"{'EP':>3} {'mode':<12} {'step ms':>8} {'vs EP1':>7} {'attn+dense':>10} {'experts':>8} {'comm':>7} "
-              f"{'B/tok/layer':>11} {'formula':>9} {'uniform':>9} {'same tokens':>11}")
+              f"{'B/tok/layer':>11} {'formula':>9} {'uniform':>9} {'same tokens':>11} {'KV blocks':>9}  seqs per rank")
         for r in rows:
             bpt = r.get("bytes_per_token", 0.0)
             formula = uniform = 0.0
@@ -222,7 +224,8 @@ def main() -> None:
                 assert ok, f"measured {bpt} B/token/layer != formula {formula}"
             print(f"{r['ep']:>3} {r['mode']:<12} {r['wall'] * 1e3:>8.1f} {base['wall'] / r['wall']:>6.2f}x "
                   f"{r['attn'] * 1e3:>10.1f} {r['expert'] * 1e3:>8.1f} {r['comm'] * 1e3:>7.1f} "
-                  f"{bpt:>11.0f} {formula:>9.0f} {uniform:>9.0f} {str(r['tokens'] == base['tokens']):>11}")
+                  f"{bpt:>11.0f} {formula:>9.0f} {uniform:>9.0f} {str(r['tokens'] == base['tokens']):>11} "
+                  f"{r['kv_blocks']:>9}  {r['per_rank']}")
         for r in rows:
             if r["ep"] > 1 and r["mode"] == "normal":
                 print(f"EP={r['ep']} normal: each token goes to D={r['D']:.2f} other ranks with P={r['P']:.2f} of its "
