@@ -17,8 +17,11 @@ packed linear (oneDNN on AVX2 CPUs). grouped/dense is given against each.
 
 `--per-expert` also runs the engine as it was before the grouped expert kernel (MoE experts as one
 oneDNN GEMM pair per active expert, expert_kernels not installed) in the same run, for before/after.
+`--bf16-experts` also runs the engine with `moe_expert_dtype="bfloat16"` (the routed experts' packed
+weights in bf16, widened exactly, fp32 accumulation; everything else fp32) against the same fp32
+transformers: a precision choice, so it is its own column, never the headline ratio.
 
-    python benchmarks/moe.py [--batches 1 8 32 128] [--new-tokens 8] [--repeats 2] [--models v3 qwen3] [--per-expert]
+    python benchmarks/moe.py [--batches 1 8 32 128] [--new-tokens 8] [--repeats 2] [--models v3 qwen3] [--per-expert] [--bf16-experts]
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["v3", "qwen3"])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--per-expert", action="store_true", help="also run the per-expert GEMM path (before/after)")
+    ap.add_argument("--bf16-experts", action="store_true", help="also run with moe_expert_dtype='bfloat16'")
     args = ap.parse_args()
     import transformers
 
@@ -189,9 +193,10 @@ def main() -> None:
             path = build(kind, root)
             engine = Engine(path, kv_cache_memory=256 << 20)
             old = per_expert_engine(path) if args.per_expert else None
+            half = Engine(path, kv_cache_memory=256 << 20, moe_expert_dtype="bfloat16") if args.bf16_experts else None
             hf = None if args.no_hf else transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             vocab = engine.model_config.vocab_size
-            for e in (engine, old):
+            for e in (engine, old, half):
                 if e is not None:
                     e.generate(prompts(2, vocab), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
             name = {"v3": "DeepSeek-V3-shaped", "qwen3": "Qwen3-MoE-shaped"}[kind]
@@ -199,13 +204,17 @@ def main() -> None:
                   f"{engine.model_config.moe.num_experts} experts top-{engine.model_config.moe.top_k}, "
                   f"linear={getattr(engine.runner.linear, 'backend', 'torch')}")
             extra = f" {'per-expert tok/s':>17} {'ratio':>7} {'grouped/per-expert':>19}" if old is not None else ""
+            if half is not None:
+                extra += f" {'bf16-experts tok/s':>18} {'vs hf':>6} {'vs fp32':>7}"
             print(f"{'batch':>6} {'deepinfer tok/s':>16} {'hf tok/s':>10} {'ratio':>7}{extra}", flush=True)
             for b in args.batches:
-                best_o = best_h = best_p = 0.0
+                best_o = best_h = best_p = best_b = 0.0
                 for _ in range(args.repeats):  # fresh prompts (same length) for every arm and repeat
                     best_o = max(best_o, ours(engine, prompts(b, vocab), args.new_tokens))
                     if old is not None:
                         best_p = max(best_p, ours(old, prompts(b, vocab), args.new_tokens))
+                    if half is not None:
+                        best_b = max(best_b, ours(half, prompts(b, vocab), args.new_tokens))
                     if hf is not None:
                         best_h = max(best_h, theirs(hf, prompts(b, vocab), args.new_tokens))
                 ratio = f"{best_o / best_h:7.2f}" if best_h else "      -"
@@ -213,8 +222,12 @@ def main() -> None:
                 if old is not None:
                     r_old = f"{best_p / best_h:7.2f}" if best_h else "      -"
                     line += f" {best_p:>17.1f} {r_old} {best_o / best_p:>19.2f}"
+                if half is not None:
+                    r_half = f"{best_b / best_h:6.2f}" if best_h else "     -"
+                    line += f" {best_b:>18.1f} {r_half} {best_b / best_o:>7.2f}"
                 print(line, flush=True)
-            for label, e in (("grouped expert kernel", engine), ("per-expert GEMMs", old)):
+            for label, e in (("grouped expert kernel", engine), ("per-expert GEMMs", old),
+                             ("grouped expert kernel, bf16 weights", half)):
                 if e is None:
                     continue
                 g, d, dn = gemm_rates(e, args.gemm_tokens, args.repeats)
@@ -228,7 +241,7 @@ def main() -> None:
                 print(f"KV bytes/token: MLA latent {ours_b} vs per-head K/V {per_head} ({per_head / ours_b:.1f}x smaller)")
             else:
                 print(f"KV bytes/token: GQA {ours_b}")
-            del engine, hf, old
+            del engine, hf, old, half
 
 
 if __name__ == "__main__":

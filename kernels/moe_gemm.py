@@ -31,8 +31,9 @@ def _lib():
         raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
     if not _configured:
         i64, fp = ctypes.c_int64, ctypes.c_void_p
-        lib.di_moe_experts_f32.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, i64, fp, fp, i64]
-        lib.di_moe_experts_f32.restype = ctypes.c_int
+        for fn in (lib.di_moe_experts_f32, lib.di_moe_experts_bf16):
+            fn.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, i64, fp, fp, i64]
+            fn.restype = ctypes.c_int
         lib.di_moe_nr.restype = ctypes.c_int
         lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
         lib.di_panel_linear_f32.restype = ctypes.c_int
@@ -68,13 +69,20 @@ def set_prefetch_next(on: bool) -> None:
 @dataclass(frozen=True)
 class PackedExperts:
     """E experts' weights in panels: gate_up [E, 2P_I, H, NR] (gate and up panels interleaved),
-    down [E, P_H, I, NR]."""
+    down [E, P_H, I, NR], float32 or bfloat16 (`weights`)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     num_experts: int
     hidden: int
     inter: int
+
+    @property
+    def weights(self) -> torch.dtype:
+        return self.gate_up.dtype
+
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _panels(w: torch.Tensor, nr: int) -> torch.Tensor:
@@ -92,9 +100,14 @@ def _check_stack(name: str, w: torch.Tensor) -> None:
                                f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
 
 
-def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True) -> PackedExperts:
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True,
+                 weights: torch.dtype = torch.float32) -> PackedExperts:
     """gate_up [E, 2I, H] (each expert's [gate; up]), down [E, H, I] -> PackedExperts (a copy; huge:
-    in memory advised for transparent huge pages, see huge_pages.py)."""
+    in memory advised for transparent huge pages, see huge_pages.py). weights=torch.bfloat16 stores
+    the panels rounded to bf16 (half the bytes; the kernel widens them to fp32 exactly as it loads
+    them, so its result is the fp32 kernel's on the rounded weights, bit for bit)."""
+    if weights not in WEIGHT_DTYPES:
+        raise KernelInputError(f"pack_experts: weights must be torch.float32 or torch.bfloat16, got {weights}")
     _check_stack("gate_up", gate_up)
     _check_stack("down", down)
     e, i2, h = gate_up.shape
@@ -106,6 +119,8 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True) -
     g, u = _panels(gate_up[:, :i], nr), _panels(gate_up[:, i:], nr)
     gu = torch.stack([g, u], 2).flatten(1, 2).contiguous()  # [E, 2P, H, nr]: gate p, up p, ...
     d = _panels(down, nr)
+    if weights != torch.float32:
+        gu, d = gu.to(weights), d.to(weights)
     if huge:
         gu, d = huge_pages.copy(gu), huge_pages.copy(d)
     return PackedExperts(gu, d, e, h, i)
@@ -129,9 +144,10 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts) -> to
     if t * k == 0:
         return y
     h = torch.empty(t * k, packed.inter, dtype=torch.float32)
-    rc = _lib().di_moe_experts_f32(x.data_ptr(), x.stride(0), t, k, idx.data_ptr(), packed.num_experts,
-                                   packed.gate_up.data_ptr(), packed.down.data_ptr(), packed.hidden, packed.inter,
-                                   h.data_ptr(), y.data_ptr(), packed.hidden)
+    fn = _lib().di_moe_experts_bf16 if packed.weights == torch.bfloat16 else _lib().di_moe_experts_f32
+    rc = fn(x.data_ptr(), x.stride(0), t, k, idx.data_ptr(), packed.num_experts,
+            packed.gate_up.data_ptr(), packed.down.data_ptr(), packed.hidden, packed.inter,
+            h.data_ptr(), y.data_ptr(), packed.hidden)
     if rc == -1:
         bad = idx[(idx < 0) | (idx >= packed.num_experts)]
         raise KernelInputError(f"moe_experts: expert id {int(bad[0])} out of range [0, {packed.num_experts})")

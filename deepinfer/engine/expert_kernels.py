@@ -34,15 +34,16 @@ class NativeExperts(nn.Module):
     """One MoE block's experts packed for `moe_gemm.moe_experts`; callable (x, local ids) -> [T, k, H].
     The packed panels are non-persistent buffers, so the runner's weight_bytes counts them."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.dtype = torch.float32):
         super().__init__()
         from deepinfer_kernels import moe_gemm
 
         self._kernel = moe_gemm.moe_experts
-        p = moe_gemm.pack_experts(gate_up, down)
+        p = moe_gemm.pack_experts(gate_up, down, weights=weights)
         self.register_buffer("packed_gate_up", p.gate_up, persistent=False)
         self.register_buffer("packed_down", p.down, persistent=False)
         self._packed = p
+        self.weights = weights
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self._packed)
@@ -97,19 +98,21 @@ def repack(block):
     """The block's expert kernel rebuilt over the experts it holds now (after MoeBlock.swap_experts)."""
     k = block.expert_kernel
     if isinstance(k, NativeExperts):
-        return NativeExperts(*block.stacked_expert_weights())
+        return NativeExperts(*block.stacked_expert_weights(), weights=k.weights)
     if isinstance(k, TileLangExperts):
         return TileLangExperts(*_stack_in_place(block))
     raise TypeError(f"repack: unknown expert kernel {type(k).__name__}")
 
 
 def install_expert_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str = "auto",
-                           cpu_prepack: bool = True) -> int:
+                           cpu_prepack: bool = True, expert_weights: torch.dtype = torch.float32) -> int:
     """Install the grouped expert kernel for this device in every MoeBlock of model; returns how many
     blocks use it (0: they keep the per-expert GEMMs). On CPU only for fp32 with kernels="auto" and
-    packing allowed (cpu_prepack, EngineConfig's switch for packed weight copies)."""
+    packing allowed (cpu_prepack, EngineConfig's switch for packed weight copies); expert_weights:
+    the routed experts' packed storage there (EngineConfig.moe_expert_dtype)."""
     if device.type == "cpu":
-        return install_native_experts(model) if dtype == torch.float32 and kernels == "auto" and cpu_prepack else 0
+        ok = dtype == torch.float32 and kernels == "auto" and cpu_prepack
+        return install_native_experts(model, expert_weights) if ok else 0
     if device.type != "cuda" or kernels == "torch":
         return 0
     from deepinfer.engine.models.moe import MoeBlock
@@ -142,10 +145,11 @@ def native_experts_available() -> bool:
     return moe_gemm.available()
 
 
-def install_native_experts(model: nn.Module) -> int:
-    """Pack and install the native expert kernel in every MoeBlock of model (fp32 CPU weights);
-    returns how many blocks now use it (0 where the native kernels do not build). The model's other
-    gated MLPs (shared experts, dense layers) run on the same kernel as one-expert stacks."""
+def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float32) -> int:
+    """Pack and install the native expert kernel in every MoeBlock of model (fp32 CPU weights, packed
+    as `weights`: float32 or bfloat16); returns how many blocks now use it (0 where the native kernels
+    do not build). The model's other gated MLPs (shared experts, dense layers) run on the same kernel
+    as one-expert stacks, in fp32."""
     from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
 
@@ -157,7 +161,7 @@ def install_native_experts(model: nn.Module) -> int:
         if not len(b.expert_gate_up) or b.expert_gate_up[0].dtype != torch.float32 or b.expert_gate_up[0].device.type != "cpu":
             continue
         gu, down = b.stacked_expert_weights()
-        b.set_expert_kernel(NativeExperts(gu, down))
+        b.set_expert_kernel(NativeExperts(gu, down, weights))
         n += 1
     if n:
         for m in model.modules():

@@ -68,7 +68,14 @@ class ModelRunner:
         if not (quantized and quant_mode):
             from deepinfer.engine.expert_kernels import install_expert_kernels
 
-            self.expert_kernel_blocks = install_expert_kernels(self.model, device, dtype, config.kernels, config.cpu_prepack)
+            self.expert_kernel_blocks = install_expert_kernels(
+                self.model, device, dtype, config.kernels, config.cpu_prepack, getattr(torch, config.moe_expert_dtype))
+        if config.moe_expert_dtype != "float32" and device.type == "cpu" and not self.expert_kernel_blocks \
+                and getattr(model_config, "moe", None) is not None:
+            from deepinfer.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"moe_expert_dtype={config.moe_expert_dtype!r} needs the native grouped expert "
+                                      "kernel: CPU, dtype float32, kernels='auto', cpu_prepack=True and a C compiler")
         self.block_size = config.block_size
         mc = model_config
         # (tensors per layer, heads, dim): K and V per head, or one latent entry per token (MLA)

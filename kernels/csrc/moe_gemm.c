@@ -39,6 +39,18 @@
 #include <omp.h>
 #endif
 
+/* The weights' storage type: fp32, or (moe_gemm_bf16.c includes this file with MOE_BF16 defined)
+ * bf16, widened to fp32 in registers as loaded (exact: a bf16 is the top half of an fp32), so a bf16
+ * stack computes bit for bit what the fp32 kernel computes on the same weights rounded to bf16, and
+ * reads half the bytes: decode steps stream every active expert's panels, which is what bounds them. */
+#ifdef MOE_BF16
+typedef uint16_t wt_t;
+#define FN(name) name##_bf16
+#else
+typedef float wt_t;
+#define FN(name) name##_f32
+#endif
+
 #if defined(__AVX512F__)
 #define VW 16
 #define MR 8
@@ -78,8 +90,13 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
  * benchmarks/moe_kernels.py, V3 layer shapes, 1 thread, machine shared with other jobs (noise +-20%:
  * the schedule switch, a no-op at 1 thread, read 0.82-1.22x): 1.41x at 512 tokens, 0.84-0.98x at
  * 32-128 (within the noise). Huge pages in the same run: 1.11x at 512, 0.79-1.04x at 32-128. */
-static int moe_prefetch_next = 1;
-void di_moe_set_prefetch_next(int on) { moe_prefetch_next = on != 0; }
+#ifdef MOE_BF16
+extern int di_moe_prefetch_next_on;
+#else
+int di_moe_prefetch_next_on = 1;
+void di_moe_set_prefetch_next(int on) { di_moe_prefetch_next_on = on != 0; }
+#endif
+#define moe_prefetch_next di_moe_prefetch_next_on
 static inline int64_t pf_offset(int64_t n, int64_t r0, int64_t next_bytes) {
     return moe_prefetch_next && n > MR && r0 + MR >= n ? next_bytes : PF_BYTES;
 }
@@ -89,8 +106,13 @@ static inline int64_t pf_offset(int64_t n, int64_t r0, int64_t next_bytes) {
  * expert's row count) and on a shared machine a thread may be descheduled, so a static split leaves
  * the other thread waiting at the barrier; benchmarks/moe_kernels.py measures both side by side
  * (di_moe_set_dynamic). Which thread runs an item never changes its bits. */
-static int moe_dynamic = 1;
-void di_moe_set_dynamic(int on) { moe_dynamic = on != 0; }
+#ifdef MOE_BF16
+extern int di_moe_dynamic_on;
+#else
+int di_moe_dynamic_on = 1;
+void di_moe_set_dynamic(int on) { di_moe_dynamic_on = on != 0; }
+#endif
+#define moe_dynamic di_moe_dynamic_on
 #ifdef _OPENMP
 #define SCHEDULE_BEGIN                                                                      \
     omp_sched_t old_kind_;                                                                  \
@@ -105,6 +127,22 @@ void di_moe_set_dynamic(int on) { moe_dynamic = on != 0; }
 
 static inline vf ldv(const float *p) { return *(const vfu *)p; }
 static inline void stv(float *p, vf x) { *(vfu *)p = x; }
+#ifdef MOE_BF16
+/* VW bf16 weights widened to fp32 (shifted into the top half of each lane) */
+static inline vf ldw(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    vi v;
+    for (int i = 0; i < VW; ++i) v[i] = (int32_t)((uint32_t)p[i] << 16);
+    return (vf)v;
+#endif
+}
+#else
+static inline vf ldw(const float *p) { return ldv(p); }
+#endif
 /* (not (vf){0} + x where the intrinsic exists: that adds 0.0 to every broadcast scalar first) */
 #if defined(__AVX512F__)
 static inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
@@ -143,13 +181,13 @@ static inline vf silu(vf g) { return g / (1.f + expv(-g)); }
 
 /* acc[r][c] = rows[r] . panel columns (all k, in order) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *const *rows,
-                                                             const float *w, int64_t K, vf acc[MR][3], int64_t pf) {
+                                                             const wt_t *w, int64_t K, vf acc[MR][3], int64_t pf) {
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = splat(0.f);
     for (int64_t k = 0; k < K; ++k) {
-        const float *wk = w + k * NR;
+        const wt_t *wk = w + k * NR;
         PREFETCH_AT(wk, pf);
-        vf w0 = ldv(wk), w1 = ldv(wk + VW), w2 = ldv(wk + 2 * VW);
+        vf w0 = ldw(wk), w1 = ldw(wk + VW), w2 = ldw(wk + 2 * VW);
         IN_REGISTERS(w0, w1, w2);
         for (int r = 0; r < mr; ++r) {
             const vf xb = splat(rows[r][k]);
@@ -164,15 +202,15 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
  * order, starting from 0 when first. A partial sum leaves and re-enters registers exactly, so an
  * element's chain over k (and its bits) is the one panel_tile computes over the whole K. */
 static inline __attribute__((always_inline)) void panel_block(const int mr, const float *const *rows, int64_t k0,
-                                                              const float *w, int64_t kc, float *buf, int first,
+                                                              const wt_t *w, int64_t kc, float *buf, int first,
                                                               int64_t pf) {
     vf acc[MR][3];
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = first ? splat(0.f) : ldv(buf + r * NR + c * VW);
     for (int64_t k = 0; k < kc; ++k) {
-        const float *wk = w + k * NR;
+        const wt_t *wk = w + k * NR;
         PREFETCH_AT(wk, pf);
-        vf w0 = ldv(wk), w1 = ldv(wk + VW), w2 = ldv(wk + 2 * VW);
+        vf w0 = ldw(wk), w1 = ldw(wk + VW), w2 = ldw(wk + 2 * VW);
         IN_REGISTERS(w0, w1, w2);
         for (int r = 0; r < mr; ++r) {
             const vf xb = splat(rows[r][k0 + k]);
@@ -196,7 +234,7 @@ static inline __attribute__((always_inline)) void store_row(float *y, vf a[3], i
 }
 
 /* both panels' k block for one tile of mr rows (a constant in each case, so the tile is unrolled) */
-static inline void pair_block(const int mr, const float *const *rows, int64_t k0, const float *wg, const float *wu,
+static inline void pair_block(const int mr, const float *const *rows, int64_t k0, const wt_t *wg, const wt_t *wu,
                               int64_t kc, float *g, float *u, int64_t pf) {
     switch (mr) {
 #define PAIR(m) case m: panel_block(m, rows, k0, wg, kc, g, k0 == 0, pf); panel_block(m, rows, k0, wu, kc, u, k0 == 0, pf); break;
@@ -214,14 +252,14 @@ static inline void pair_block(const int mr, const float *const *rows, int64_t k0
  * a panel comes from memory once and from L1 for the group's other tiles, where the whole-K loop
  * (2 x 96 KiB panels at H = 1024) re-read it from L2 per tile. Partial sums wait in bg / bu (n x NR
  * each); then h = silu(gate) * up. */
-static void gated_group(const float *const *rows, int64_t n, const float *wg, const float *wu, int64_t K,
+static void gated_group(const float *const *rows, int64_t n, const wt_t *wg, const wt_t *wu, int64_t K,
                         float *bg, float *bu, float *h, int64_t ldh, int64_t ncols) {
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int64_t r0 = 0; r0 < n; r0 += MR) {
             const int mr = n - r0 < MR ? (int)(n - r0) : MR;
             pair_block(mr, rows + r0, k0, wg + k0 * NR, wu + k0 * NR, kc, bg + r0 * NR, bu + r0 * NR,
-                       pf_offset(n, r0, (int64_t)sizeof(float) * KC * NR));
+                       pf_offset(n, r0, (int64_t)sizeof(wt_t) * KC * NR));
         }
     }
     for (int64_t r = 0; r < n; ++r) {
@@ -232,20 +270,22 @@ static void gated_group(const float *const *rows, int64_t n, const float *wg, co
 }
 
 static inline __attribute__((always_inline)) void down_tile(const int mr, const float *const *rows,
-                                                            const float *w, int64_t K, float *const *out,
+                                                            const wt_t *w, int64_t K, float *const *out,
                                                             int64_t ncols, int64_t pf) {
     vf a[MR][3];
     panel_tile(mr, rows, w, K, a, pf);
     for (int r = 0; r < mr; ++r) store_row(out[r], a[r], ncols);
 }
 
+#ifndef MOE_BF16
 int di_moe_nr(void) { return NR; }
+#endif
 
 /* x: [T, H] rows ldx apart; idx: [T, k] expert ids in [0, E); gu: [E][2 * ceil(I/NR)][H][NR];
  * down: [E][ceil(H/NR)][I][NR]; h: scratch [T * k, I]; y: [T * k, H] rows ldy apart.
  * Returns 0, or -1 for an expert id out of range (nothing written), -2 when out of memory. */
-int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *idx, int64_t E,
-                       const float *gu, const float *down, int64_t H, int64_t I, float *h, float *y, int64_t ldy) {
+int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *idx, int64_t E,
+                       const wt_t *gu, const wt_t *down, int64_t H, int64_t I, float *h, float *y, int64_t ldy) {
     const int64_t R = T * k;
     if (R == 0) return 0;
     for (int64_t i = 0; i < R; ++i)
@@ -302,8 +342,8 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
 #pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Pi; ++item) {
             const int64_t g = item / Pi, p = item % Pi;
-            const float *wg = gu + group_expert[g] * gu_stride + 2 * p * H * NR;
-            const float *wu = wg + H * NR;
+            const wt_t *wg = gu + group_expert[g] * gu_stride + 2 * p * H * NR;
+            const wt_t *wu = wg + H * NR;
             const int64_t ncols = I - p * NR < NR ? I - p * NR : NR;
             const int64_t r0 = group_start[g], n = group_start[g + 1] - r0;
             for (int64_t r = 0; r < n; ++r) rows[r] = x + (pair[r0 + r] / k) * ldx;
@@ -313,13 +353,13 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
 #pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Ph; ++item) {
             const int64_t g = item / Ph, p = item % Ph;
-            const float *w = down + group_expert[g] * down_stride + p * I * NR;
+            const wt_t *w = down + group_expert[g] * down_stride + p * I * NR;
             const int64_t ncols = H - p * NR < NR ? H - p * NR : NR;
             for (int64_t r0 = group_start[g]; r0 < group_start[g + 1]; r0 += MR) {
                 const int64_t left = group_start[g + 1] - r0;
                 const int mr = left < MR ? (int)left : MR;
                 const int64_t pf = pf_offset(group_start[g + 1] - group_start[g], r0 - group_start[g],
-                                             (int64_t)sizeof(float) * I * NR);  /* the next panel */
+                                             (int64_t)sizeof(wt_t) * I * NR);  /* the next panel */
                 const float *hrows[MR];
                 float *out[MR];
                 for (int r = 0; r < mr; ++r) {
@@ -346,6 +386,7 @@ int di_moe_experts_f32(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     return 0;
 }
 
+#ifndef MOE_BF16
 /* ---- a plain projection on the same register tile: y = x @ W.T -------------------------------------
  * For the MoE models' other projections on AVX2 CPUs (MLA's q/kv down and up projections, o_proj, the
  * router), which otherwise run on oneDNN there: the shared 8 x 48 panel GEMM (gemm.c) spills on 16
@@ -415,3 +456,4 @@ int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, 
     free(rows); free(bufs);
     return 0;
 }
+#endif /* MOE_BF16 */

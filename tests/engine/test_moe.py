@@ -207,3 +207,43 @@ def test_missing_expert_weight_is_named(moe_models, tmp_path):
     save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"experts\.5\.up_proj"):
         Engine(str(d), kv_cache_memory=1 << 20)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_expert_weights_equal_fp32_on_bf16_rounded_experts(moe_models, arch, tmp_path):
+    """moe_expert_dtype="bfloat16" stores the routed experts' packed weights in bf16 and widens them
+    exactly: the engine's tokens and logprobs are bitwise those of the fp32 engine on a checkpoint whose
+    routed expert weights were rounded to bf16 (everything else untouched), at half the packed bytes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    rounded = tmp_path / arch
+    shutil.copytree(moe_models[arch], rounded)
+    f = rounded / "model.safetensors"
+    w = load_file(str(f))
+    routed = [n for n in w if ".mlp.experts." in n]
+    assert routed
+    for n in routed:
+        w[n] = w[n].bfloat16().float()
+    save_file(w, str(f), metadata={"format": "pt"})
+    kw = dict(kv_cache_memory=8 << 20, block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    half = Engine(str(moe_models[arch]), moe_expert_dtype="bfloat16", **kw)
+    ref = Engine(str(rounded), **kw)
+    got, want = half.generate(PROMPTS, sp), ref.generate(PROMPTS, sp)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        assert [(t.token_id, t.logprob, t.top) for t in a.logprobs] == [(t.token_id, t.logprob, t.top) for t in b.logprobs]
+        assert [(t.token_id, t.logprob) for t in a.prompt_logprobs[1:]] == [(t.token_id, t.logprob) for t in b.prompt_logprobs[1:]]
+    packed = [m for m in half.runner.model.modules() if type(m).__name__ == "NativeExperts"]
+    assert packed and all(m.packed_gate_up.dtype == torch.bfloat16 for m in packed)
+
+
+def test_bf16_expert_weights_need_the_native_kernel(moe_models):
+    from deepinfer import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="moe_expert_dtype"):
+        Engine(str(moe_models["qwen3_moe"]), moe_expert_dtype="float16", kv_cache_memory=8 << 20)
+    with pytest.raises(InvalidRequestError, match="native grouped expert kernel"):
+        Engine(str(moe_models["qwen3_moe"]), moe_expert_dtype="bfloat16", kernels="torch", kv_cache_memory=8 << 20)

@@ -117,3 +117,30 @@ def test_k_blocks_keep_a_rows_bits_and_the_reference(blocks):
     torch.testing.assert_close(out, moe_gemm.moe_experts_reference(x, idx, gu, down), atol=5e-5, rtol=1e-4)
     for t in (0, 21, 22):
         assert torch.equal(moe_gemm.moe_experts(x[t : t + 1], idx[t : t + 1], packed)[0], out[t])
+
+
+# bf16 weights: the kernel widens each weight to fp32 exactly as it loads it, so its result is the fp32
+# kernel's on the weights rounded to bf16, bit for bit (sizes off the tiles; 256 x 64: several k blocks)
+@pytest.mark.parametrize("E,H,I,T,k", [(8, 200, 70, 13, 3), (32, 256, 64, 33, 4), (3, 64, 32, 1, 1)])
+def test_bf16_weights_are_the_fp32_kernel_on_rounded_weights(E, H, I, T, k):
+    gu, down = _experts(E, H, I, seed=E + T)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    idx = _routing(T, E, k, seed=k)
+    packed = moe_gemm.pack_experts(gu, down, weights=torch.bfloat16)
+    assert packed.weights == torch.bfloat16
+    assert packed.gate_up.nbytes * 2 == moe_gemm.pack_experts(gu, down).gate_up.nbytes
+    out = moe_gemm.moe_experts(x, idx, packed)
+    gu_r, down_r = gu.bfloat16().float(), down.bfloat16().float()
+    assert torch.equal(out, moe_gemm.moe_experts(x, idx, moe_gemm.pack_experts(gu_r, down_r)))
+    torch.testing.assert_close(out, moe_gemm.moe_experts_reference(x, idx, gu_r, down_r), atol=2e-5, rtol=1e-4)
+    # and near the fp32 weights' result: bf16 keeps 8 significant bits (relative rounding <= 2^-9 per weight)
+    ref = moe_gemm.moe_experts_reference(x, idx, gu, down)
+    assert float((out - ref).norm() / ref.norm()) < 1e-2
+    # batch-invariant like the fp32 kernel
+    assert torch.equal(moe_gemm.moe_experts(x[-1:], idx[-1:], packed)[0], out[-1])
+
+
+def test_weight_dtype_is_checked():
+    gu, down = _experts(2, 32, 24)
+    with pytest.raises(KernelInputError, match="weights must be"):
+        moe_gemm.pack_experts(gu, down, weights=torch.float16)
