@@ -126,6 +126,21 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True,
     return PackedExperts(gu, d, e, h, i)
 
 
+def unpack_experts(packed: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 stacks gate_up [E, 2I, H] and down [E, H, I] that `packed` holds (bf16 panels: their
+    exact fp32 values), so the packed copy can be the only one kept."""
+
+    def rows(panels: torch.Tensor, n: int) -> torch.Tensor:  # [E, P, K, nr] -> [E, n, K]
+        e, p, k, nr = panels.shape
+        return panels.transpose(2, 3).reshape(e, p * nr, k)[:, :n]
+
+    e, i, h = packed.num_experts, packed.inter, packed.hidden
+    gu = packed.gate_up.float()
+    gu = gu.view(e, gu.shape[1] // 2, 2, h, gu.shape[3])
+    gate_up = torch.cat([rows(gu[:, :, 0], i), rows(gu[:, :, 1], i)], 1).contiguous()
+    return gate_up, rows(packed.down.float(), h).contiguous()
+
+
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
     """[T, k, H]: out[t, j] = down_e(silu(gate_e x[t]) * up_e x[t]) for e = idx[t, j]."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \

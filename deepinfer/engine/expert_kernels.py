@@ -48,6 +48,12 @@ class NativeExperts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self._packed)
 
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 stacks (gate_up [E, 2I, H], down [E, H, I]) the panels hold."""
+        from deepinfer_kernels import moe_gemm
+
+        return moe_gemm.unpack_experts(self._packed)
+
 
 class NativeGatedMlp(nn.Module):
     """One gated MLP (a shared expert, or a dense layer of an MoE model) as a one-expert stack for
@@ -162,6 +168,8 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
             continue
         gu, down = b.stacked_expert_weights()
         b.set_expert_kernel(NativeExperts(gu, down, weights))
+        del gu, down
+        b.release_expert_weights()  # the packed panels are the experts' only copy from here on
         n += 1
     if n:
         for m in model.modules():

@@ -144,3 +144,11 @@ def test_weight_dtype_is_checked():
     gu, down = _experts(2, 32, 24)
     with pytest.raises(KernelInputError, match="weights must be"):
         moe_gemm.pack_experts(gu, down, weights=torch.float16)
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_unpack_gives_back_the_packed_stacks(weights):
+    gu, down = _experts(5, 70, 29, seed=9)  # off the panel width on both GEMMs
+    got_gu, got_down = moe_gemm.unpack_experts(moe_gemm.pack_experts(gu, down, weights=weights))
+    assert got_gu.dtype == got_down.dtype == torch.float32
+    assert torch.equal(got_gu, gu.to(weights).float()) and torch.equal(got_down, down.to(weights).float())

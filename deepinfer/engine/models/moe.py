@@ -66,6 +66,7 @@ class MoeBlock(nn.Module):
         # the global ids of the experts this block holds, in the order of its weight lists
         self._set_local_experts(list(range(E)) if local_experts is None else list(local_experts))
         self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
+        self._weights_in_kernel = False  # the expert parameters were emptied: the kernel's packed copy is the only one
         self.router_kernel = None  # fn(x [T, H] fp32) -> x @ gate_weight.T, row-invariant (native_projections.py)
         # the router stays fp32 whatever the model dtype (DeepSeek-V3 routes in fp32; on CPU all is fp32)
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False)
@@ -116,22 +117,26 @@ class MoeBlock(nn.Module):
         if self.expert_kernel is None and ref.device.type == "cpu":
             raise MoeConfigError("swap_experts needs the grouped expert kernel on CPU (kernels='auto', cpu_prepack=True)")
         held = {e: i for i, e in enumerate(self.local_experts)}
+        gu_held, dn_held = self.stacked_expert_weights() if held else (None, None)
         gate_up, down = [], []
         for e in expert_ids:
             if e in held:
-                gate_up.append(self.expert_gate_up[held[e]])
-                down.append(self.expert_down[held[e]])
-                continue
-            gu, dn = fetch(e)
-            if tuple(gu.shape) != (2 * self.inter, self.hidden) or tuple(dn.shape) != (self.hidden, self.inter):
-                raise MoeConfigError(f"swap_experts: expert {e} weights have shapes {tuple(gu.shape)}, {tuple(dn.shape)}")
+                gu, dn = gu_held[held[e]], dn_held[held[e]]
+            else:
+                gu, dn = fetch(e)
+                if tuple(gu.shape) != (2 * self.inter, self.hidden) or tuple(dn.shape) != (self.hidden, self.inter):
+                    raise MoeConfigError(f"swap_experts: expert {e} weights have shapes {tuple(gu.shape)}, {tuple(dn.shape)}")
             gate_up.append(nn.Parameter(gu.to(ref.device, ref.dtype).contiguous(), requires_grad=False))
             down.append(nn.Parameter(dn.to(ref.device, ref.dtype).contiguous(), requires_grad=False))
+        released = self._weights_in_kernel
         self._set_local_experts(list(expert_ids))
         self.expert_gate_up = nn.ParameterList(gate_up)
         self.expert_down = nn.ParameterList(down)
+        self._weights_in_kernel = False
         if self.expert_kernel is not None:
-            self.set_expert_kernel(repack(self))
+            self.expert_kernel = repack(self)
+            if released:
+                self.release_expert_weights()
 
     # ---- routing --------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,11 +190,35 @@ class MoeBlock(nn.Module):
         return local
 
     def set_expert_kernel(self, kernel) -> None:
-        """Run the routed experts through kernel(x, local ids) -> [T, k, H] (None: per-expert GEMMs)."""
+        """Run the routed experts through kernel(x, local ids) -> [T, k, H] (None: per-expert GEMMs,
+        on the parameters, which get the kernel's weights back if they were emptied)."""
+        if kernel is None and self._weights_in_kernel:
+            self._restore_expert_weights()
         self.expert_kernel = kernel
 
+    def release_expert_weights(self) -> None:
+        """Empty the expert parameters: the installed kernel's packed copy (it must `unpacked()`) is then
+        the only one in memory. A MoE model's routed experts are most of its bytes; kept twice (the
+        parameters and the packed panels) they held 2.15x a tiny Qwen3-MoE checkpoint's bytes, 1.1x once
+        released (engine stats weight_bytes / checkpoint_bytes)."""
+        if self.expert_kernel is None or not hasattr(self.expert_kernel, "unpacked"):
+            raise MoeConfigError("release_expert_weights needs an installed expert kernel that can unpack its weights")
+        for w in list(self.expert_gate_up) + list(self.expert_down):
+            w.data = w.data.new_empty(0)
+        self._weights_in_kernel = True
+
+    def _restore_expert_weights(self) -> None:
+        gu, dn = self.expert_kernel.unpacked()
+        for i in range(len(self.expert_gate_up)):
+            self.expert_gate_up[i].data = gu[i].to(self.gate_weight.dtype)
+            self.expert_down[i].data = dn[i].to(self.gate_weight.dtype)
+        self._weights_in_kernel = False
+
     def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E_local, 2I, H], down [E_local, H, I]): copies of the experts' weights, stacked."""
+        """(gate_up [E_local, 2I, H], down [E_local, H, I]): copies of the experts' weights, stacked
+        (from the kernel's packed copy when the parameters were released)."""
+        if self._weights_in_kernel:
+            return self.expert_kernel.unpacked()
         return torch.stack([w.data for w in self.expert_gate_up]), torch.stack([w.data for w in self.expert_down])
 
     def grouped_experts(self, x: torch.Tensor, idx: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
