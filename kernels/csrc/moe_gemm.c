@@ -50,6 +50,12 @@ typedef uint16_t wt_t;
 typedef float wt_t;
 #define FN(name) name##_f32
 #endif
+/* a run-time switch (on by default): defined, with its setter, by the fp32 build; shared by the bf16 one */
+#ifdef MOE_BF16
+#define MOE_SWITCH(var, setter) extern int var;
+#else
+#define MOE_SWITCH(var, setter) int var = 1; void setter(int on) { var = on != 0; }
+#endif
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -90,12 +96,7 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
  * benchmarks/moe_kernels.py, V3 layer shapes, 1 thread, machine shared with other jobs (noise +-20%:
  * the schedule switch, a no-op at 1 thread, read 0.82-1.22x): 1.41x at 512 tokens, 0.84-0.98x at
  * 32-128 (within the noise). Huge pages in the same run: 1.11x at 512, 0.79-1.04x at 32-128. */
-#ifdef MOE_BF16
-extern int di_moe_prefetch_next_on;
-#else
-int di_moe_prefetch_next_on = 1;
-void di_moe_set_prefetch_next(int on) { di_moe_prefetch_next_on = on != 0; }
-#endif
+MOE_SWITCH(di_moe_prefetch_next_on, di_moe_set_prefetch_next)
 #define moe_prefetch_next di_moe_prefetch_next_on
 static inline int64_t pf_offset(int64_t n, int64_t r0, int64_t next_bytes) {
     return moe_prefetch_next && n > MR && r0 + MR >= n ? next_bytes : PF_BYTES;
@@ -106,12 +107,7 @@ static inline int64_t pf_offset(int64_t n, int64_t r0, int64_t next_bytes) {
  * expert's row count) and on a shared machine a thread may be descheduled, so a static split leaves
  * the other thread waiting at the barrier; benchmarks/moe_kernels.py measures both side by side
  * (di_moe_set_dynamic). Which thread runs an item never changes its bits. */
-#ifdef MOE_BF16
-extern int di_moe_dynamic_on;
-#else
-int di_moe_dynamic_on = 1;
-void di_moe_set_dynamic(int on) { di_moe_dynamic_on = on != 0; }
-#endif
+MOE_SWITCH(di_moe_dynamic_on, di_moe_set_dynamic)
 #define moe_dynamic di_moe_dynamic_on
 #ifdef _OPENMP
 #define SCHEDULE_BEGIN                                                                      \
