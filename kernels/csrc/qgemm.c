@@ -384,3 +384,12 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
     }
     return 0;
 }
+
+/* di_qgemm in the exact mode for a weight whose arguments were bound once, wargs = {W's address,
+ * row_bytes, fmt, N, K}, x [M, K] and y [M, N] dense (quant.RowKernel, the decode path): 4 arguments
+ * to convert per call instead of 15 (ctypes' conversion cost more than the kernel on the small
+ * projections at one row) */
+int di_qgemm_exact_bound(const int64_t *wargs, const float *x, int64_t M, float *y) {
+    return di_qgemm(DI_Q_EXACT, 1, x, wargs[4], 0, 0, 0, M, (const uint8_t *)(intptr_t)wargs[0], wargs[1], (int)wargs[2],
+                    wargs[3], wargs[4], y, wargs[3]);
+}

@@ -97,6 +97,22 @@ def test_batch_invariant(fmt, mode):
     assert torch.equal(quant.qlinear(x[20:21], qw, mode=mode), full[20:21])
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_row_kernel_matches_qlinear(fmt):
+    """RowKernel (arguments bound once) gives qlinear's exact bits at every M, strided x included, and
+    checks K."""
+    gen = torch.Generator().manual_seed(11)
+    qw = quant.pack(torch.randn(75, 96, generator=gen), fmt)
+    rk = quant.RowKernel(qw)
+    for m in (1, 2, 5, quant.PANEL_M - 1, quant.PANEL_M, 40):
+        x = torch.randn(m, 96, generator=gen)
+        assert torch.equal(rk(x), quant.qlinear(x, qw, mode="exact")), m
+    wide = torch.randn(3, 200, generator=gen)[:, :96]  # rows 200 apart: the general path
+    assert torch.equal(rk(wide), quant.qlinear(wide.contiguous(), qw, mode="exact"))
+    with pytest.raises(KernelInputError, match="float32 CPU"):
+        rk(torch.randn(2, 64))
+
+
 def test_embedding_rows_and_bad_inputs():
     qw = quant.pack(torch.randn(10, 64), quant.Q8_0)
     ref = quant.dequantize_reference(qw)
