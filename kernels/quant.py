@@ -58,6 +58,8 @@ def _lib():
         lib.di_q_cpu_level.restype = i32
         lib.di_qgemm_panel.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64, i32]
         lib.di_qgemm_panel.restype = i32
+        lib.di_qgemm_exact_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
+        lib.di_qgemm_exact_bound.restype = i32
         _configured = True
     return lib
 
@@ -161,6 +163,32 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, m
             raise KernelInputError(f"qlinear: bias {tuple(bias.shape)} does not fit {w.n} outputs")
         out += bias
     return out
+
+
+class RowKernel:
+    """x [M, K] -> x @ W.T for one weight in the exact mode below PANEL_M rows (decode), the kernel's
+    arguments bound once (csrc/qgemm.c's di_qgemm_exact_bound): a batch-1 step makes ~120 of these
+    calls, and qlinear's checks plus ctypes' conversion of 15 arguments cost more than the kernel on
+    the small projections. Same kernel, same bits as `qlinear(x, w, mode="exact")`. Other inputs (not
+    dense float32 CPU, PANEL_M+ rows) go through `qlinear`."""
+
+    def __init__(self, w: QuantWeight):
+        self.w = w
+        self._call = _lib().di_qgemm_exact_bound
+        # W's address is bound here: w.data must not be replaced (QuantWeight is frozen)
+        self._wargs = (ctypes.c_int64 * 5)(w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu or not x.is_contiguous() or not 0 < x.shape[0] < PANEL_M:
+            return qlinear(x, w, mode="exact")
+        if x.shape[1] != w.k:
+            raise KernelInputError(f"qlinear: x must be float32 CPU [M, {w.k}], got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        out = torch.empty(m, w.n, dtype=torch.float32)
+        if self._call(self._wargs, x.data_ptr(), m, out.data_ptr()):
+            raise KernelInputError(f"qlinear: the kernel refused format {w.fmt} with K = {w.k}")
+        return out
 
 
 def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:

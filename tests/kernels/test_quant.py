@@ -86,14 +86,31 @@ def test_avx2_and_scalar_agree(fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("mode", quant.MODES)
 def test_batch_invariant(fmt, mode):
-    """A row's output bits do not depend on how many rows share the call (tiles of 4 rows, threads over N)."""
+    """A row's output bits do not depend on how many rows share the call (tiles of 4 rows, threads over N;
+    a lone row runs 4 weight rows side by side, 301 = 18 chunks of 16 + 13: a tail of single rows)."""
     gen = torch.Generator().manual_seed(7)
-    qw = quant.pack(torch.randn(300, 576, generator=gen), fmt)
+    qw = quant.pack(torch.randn(301, 576, generator=gen), fmt)
     x = torch.randn(37, 576, generator=gen)
     full = quant.qlinear(x, qw, mode=mode)
     for k in (1, 2, 3, 4, 5, 8, 17, 36):
         assert torch.equal(quant.qlinear(x[:k], qw, mode=mode), full[:k]), k
     assert torch.equal(quant.qlinear(x[20:21], qw, mode=mode), full[20:21])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_row_kernel_matches_qlinear(fmt):
+    """RowKernel (arguments bound once) gives qlinear's exact bits at every M, strided x included, and
+    checks K."""
+    gen = torch.Generator().manual_seed(11)
+    qw = quant.pack(torch.randn(75, 96, generator=gen), fmt)
+    rk = quant.RowKernel(qw)
+    for m in (1, 2, 5, quant.PANEL_M - 1, quant.PANEL_M, 40):
+        x = torch.randn(m, 96, generator=gen)
+        assert torch.equal(rk(x), quant.qlinear(x, qw, mode="exact")), m
+    wide = torch.randn(3, 200, generator=gen)[:, :96]  # rows 200 apart: the general path
+    assert torch.equal(rk(wide), quant.qlinear(wide.contiguous(), qw, mode="exact"))
+    with pytest.raises(KernelInputError, match="float32 CPU"):
+        rk(torch.randn(2, 64))
 
 
 def test_embedding_rows_and_bad_inputs():
