@@ -190,6 +190,7 @@ def extraction(args) -> None:
         for rep in range(args.repeats):
             for name, go in (arms if rep % 2 == 0 else arms[::-1]):
                 runs.setdefault(name, []).append(go())
+                print(f"  repeat {rep}: {name} {runs[name][-1][0]:.1f} s, {runs[name][-1][1]} valid", flush=True)
     finally:
         for v in vllm.values():
             v.close()
