@@ -1,29 +1,35 @@
 """Output tokens/s of DeepInfer in each precision (fp32 vs GGUF blocks as stored) vs HF transformers
-`generate` and, where its environment exists, llama.cpp, side by side, on the default model.
+`generate` and, where their environments exist, llama.cpp and vLLM CPU (bf16 and fp32; `vllm_peer.py`),
+side by side, on the default model.
 
 Greedy, EOS ignored, the same ~20-token prompts for all; HF runs the same weights in fp32. Also batch-1
 decode speed against the memory roofline (bytes of weights read per token / measured bandwidth).
 
 This VM's speed drifts by 10-20% within minutes (HF's included), so every figure is the best of
-`--repeats` runs, ours and HF's alternating, and the roofline's bandwidth probe alternates with the
-batch-1 decode runs in the same way: both sides of every ratio see the same conditions.
+`--repeats` runs, every arm in turn and the order reversed every other repeat, and the roofline's
+bandwidth probe alternates with the batch-1 decode runs in the same way: both sides of every ratio see
+the same conditions. Against vLLM also the paired median (over repeats) of ours-best / vLLM-bf16.
+vLLM's start-up and one warm-up call are outside the timing (its workers stay loaded for the run).
 
     python benchmarks/throughput.py [--batches 1 8 32 128] [--new-tokens 64] [--repeats 2] [--no-hf]
-        [--precisions float32 auto quantized_exact] [--peers DIR]
+        [--precisions float32 auto quantized_exact] [--peers DIR] [--vllm-dtypes bfloat16 float32]
+        [--no-llamacpp]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 
 from common import hf_reference_model, make_prompts, read_bandwidth_gbs, timed
+from vllm_peer import start_vllm
+
 from deepinfer import Engine, SamplingParams
 
 
@@ -78,6 +84,83 @@ def run_llamacpp(py: str, gguf: str, prompts: list[str], n: int) -> float:
     return out["tokens"] / out["seconds"]
 
 
+def vllm_rate(peer, ids: list[list[int]], n: int) -> float:
+    """Output tokens/s of one vLLM run (LLM.generate only), checking every sequence made n tokens."""
+    r = peer.generate(ids, n, ignore_eos=True)
+    if sum(r.tokens) != len(ids) * n:
+        raise SystemExit(f"vLLM {peer.dtype} made {sum(r.tokens)} tokens, not {len(ids) * n}: EOS was not ignored")
+    return len(ids) * n / r.seconds
+
+
+def batch_arms(engines, hf, tok, peer_py, vllm, prompts, ids, n, sp) -> list:
+    """(name, run) per system measured at one batch; run() returns output tokens/s."""
+    b = len(prompts)
+
+    def ours(e):
+        e.reset_prefix_cache()
+        _, t = timed(e.generate, ids, sp)
+        return b * n / t
+
+    def hf_run():
+        toks, t = timed(hf_generate, hf, tok, prompts, n)
+        return toks / t
+
+    arms = [(p, lambda e=e: ours(e)) for p, e in engines.items()]
+    if hf is not None:
+        arms.append(("hf", hf_run))
+    if peer_py:
+        model = next(iter(engines.values())).model_source
+        arms.append(("llama.cpp", lambda: run_llamacpp(peer_py, model, prompts, n)))
+    for d, v in vllm.items():
+        arms.append(("vllm " + d, lambda v=v: vllm_rate(v, ids, n)))
+    return arms
+
+
+def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[int, float], float]:
+    """Per batch: every arm in turn (order reversed every other repeat), best of --repeats each; returns
+    ours (the last precision) per batch and the best HF figure."""
+    n = args.new_tokens
+    engine = engines[args.precisions[-1]]
+    print(f"threads={torch.get_num_threads()}  new_tokens={n}  best of {args.repeats}  model={os.path.basename(engine.model_source)}")
+    for p, e in engines.items():
+        print(f"  dtype={p!r}: precision {e.precision}, resident weights {e.stats.weight_bytes / 1e6:.1f} MB "
+              f"= {e.stats.weight_bytes / max(e.stats.checkpoint_bytes, 1):.2f}x the checkpoint's {e.stats.checkpoint_bytes / 1e6:.1f} MB")
+    base = args.precisions[0]
+    vref = next(iter(vllm), None)  # ratios against vLLM's first dtype (bf16 by default)
+    cols = "".join(f" {p + ' tok/s':>22}" for p in args.precisions)
+    ratios = "".join(f" {p + '/' + base:>24}" for p in args.precisions[1:])
+    vcols = "".join(f" {'vLLM ' + d:>15}" for d in vllm)
+    vrat = f" {'ours/vLLM ' + vref:>19} {'paired med.':>12}" if vref else ""
+    print(f"{'batch':>6}{cols}{ratios} {'hf tok/s':>10} {'llama.cpp tok/s':>16}{vcols}{vrat}", flush=True)
+    ours_at, best_hf, best_ours_v, best_v = {}, 0.0, 0.0, 0.0
+    for b in args.batches:
+        prompts = make_prompts(b, seed=b)
+        ids = [engine.encode_prompt(p) for p in prompts]  # ours and vLLM get the same token ids
+        arms = batch_arms(engines, hf, tok, peer_py, vllm, prompts, ids, n, sp)
+        runs = {name: [] for name, _ in arms}
+        for rep in range(args.repeats):
+            for name, fn in (arms if rep % 2 == 0 else arms[::-1]):  # neither side always runs first
+                runs[name].append(fn())
+        best = {name: max(r) for name, r in runs.items()}
+        ours = {p: best[p] for p in args.precisions}
+        ours_at[b] = ours[args.precisions[-1]]
+        best_hf = max(best_hf, best.get("hf", 0.0))
+        vals = "".join(f" {ours[p]:>22.1f}" for p in args.precisions)
+        rs = "".join(f" {ours[p] / ours[base]:>24.2f}" for p in args.precisions[1:])
+        vv = "".join(f" {best['vllm ' + d]:>15.1f}" for d in vllm)
+        if vref:
+            top = max(ours.values())
+            paired = [max(runs[p][i] for p in args.precisions) / runs["vllm " + vref][i] for i in range(args.repeats)]
+            vv += f" {top / best['vllm ' + vref]:>19.2f} {statistics.median(paired):>11.2f}x"
+            best_ours_v, best_v = max(best_ours_v, top), max(best_v, best["vllm " + vref])
+        other = "".join(f" {f'{best[k]:.1f}' if k in best else '-':>{w}}" for k, w in (("hf", 10), ("llama.cpp", 16)))
+        print(f"{b:>6}{vals}{rs}{other}{vv}", flush=True)
+    if vref:
+        print(f"best batch: ours {best_ours_v:.1f} tok/s vs vLLM {vref} {best_v:.1f} tok/s -> "
+              f"{best_ours_v / best_v:.2f}x (target >= 1.5)")
+    return ours_at, best_hf
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -88,7 +171,10 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["float32", "auto"],
                     help="Engine(dtype=...) values: float32, auto, quantized, quantized_exact")
     ap.add_argument("--peers", default=os.environ.get("DEEPINFER_PEERS"),
-                    help="directory built by ../shared/peers/setup.sh (llama.cpp is run from DIR/llamacpp)")
+                    help="directory built by ../shared/peers/setup.sh (llama.cpp from DIR/llamacpp, vLLM from DIR/vllm)")
+    ap.add_argument("--vllm-dtypes", nargs="*", default=["bfloat16", "float32"],
+                    help="vLLM CPU workers to run (none: skip vLLM); ratios are taken against the first")
+    ap.add_argument("--no-llamacpp", action="store_true")
     args = ap.parse_args()
     n = args.new_tokens
 
@@ -97,41 +183,18 @@ def main() -> None:
     hf = tok = None
     if not args.no_hf:
         hf, tok = hf_reference_model()
-    peer_py, why = llamacpp_peer(args.peers)
+    peer_py, why = llamacpp_peer(args.peers) if not args.no_llamacpp else (None, "--no-llamacpp")
     print(f"llama.cpp peer: {'found at ' + peer_py if peer_py else 'skipped: ' + why}")
-    print("vLLM CPU peer: not run by this script (see benchmarks/structured.py and ../shared/peers/setup.sh)")
+    vllm, why = start_vllm(args.peers, args.vllm_dtypes) if args.vllm_dtypes else ({}, "--vllm-dtypes empty")
+    print(f"vLLM CPU peer: {'running ' + ', '.join(vllm) + ' (enforce_eager)' if vllm else 'skipped: ' + why}")
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     for e in engines.values():  # warm-up
         e.generate(make_prompts(2, seed=99), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-
-    print(f"threads={torch.get_num_threads()}  new_tokens={n}  best of {args.repeats}  model={os.path.basename(engine.model_source)}")
-    for p, e in engines.items():
-        print(f"  dtype={p!r}: precision {e.precision}, resident weights {e.stats.weight_bytes / 1e6:.1f} MB "
-              f"= {e.stats.weight_bytes / max(e.stats.checkpoint_bytes, 1):.2f}x the checkpoint's {e.stats.checkpoint_bytes / 1e6:.1f} MB")
-    base = args.precisions[0]
-    cols = "".join(f" {p + ' tok/s':>22}" for p in args.precisions)
-    ratios = "".join(f" {p + '/' + base:>24}" for p in args.precisions[1:])
-    print(f"{'batch':>6}{cols}{ratios} {'hf tok/s':>10} {'llama.cpp tok/s':>16}")
-    best_hf, ours_at = 0.0, {}
-    for b in args.batches:
-        prompts = make_prompts(b, seed=b)
-        ours = {p: 0.0 for p in args.precisions}
-        theirs = peer = 0.0
-        for _ in range(args.repeats):
-            for p, e in engines.items():  # alternating, so each ratio's sides see the same conditions
-                e.reset_prefix_cache()
-                _, t = timed(e.generate, prompts, sp)
-                ours[p] = max(ours[p], b * n / t)
-            if hf is not None:
-                toks, t_hf = timed(hf_generate, hf, tok, prompts, n)
-                theirs = max(theirs, toks / t_hf)
-            if peer_py:
-                peer = max(peer, run_llamacpp(peer_py, engine.model_source, prompts, n))
-        ours_at[b] = ours[args.precisions[-1]]
-        best_hf = max(best_hf, theirs)
-        vals = "".join(f" {ours[p]:>22.1f}" for p in args.precisions)
-        rs = "".join(f" {ours[p] / ours[base]:>24.2f}" for p in args.precisions[1:])
-        print(f"{b:>6}{vals}{rs} {theirs if hf is not None else '-':>10} {peer if peer_py else '-':>16}")
+    try:
+        ours_at, best_hf = throughput_table(args, engines, hf, tok, peer_py, vllm, sp)
+    finally:
+        for v in vllm.values():
+            v.close()
     if hf is not None:
         print(f"best deepinfer / best hf: {max(ours_at.values()) / best_hf:.2f}  (target >= 1.5)")
 
