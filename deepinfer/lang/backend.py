@@ -214,11 +214,11 @@ class EngineBackend:
             futs = [self._compiles.get(constraint_key(p)) for p in params_list]
             if any(f is None or f.done() for f in futs):
                 return  # one is ready to submit
-            stalled = all(id(f) in self._held for f in futs)
+            stalled = bool(self._gates) and all(id(f) in self._held for f in futs)
         if stalled:
             self._open_gates()
             return
-        wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)
+        wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)  # (held ones wait out their wait_s timer)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> str:
         """Submit one request with a fresh id; raises the engine's InvalidRequestError/GrammarError."""
