@@ -8,16 +8,24 @@
 2. select:  a shared 5-shot prefix, Q questions, a 4-way `select` each.
 3. fork:    a shared prompt, `fork(4)` and a short `gen` per branch, Q programs.
    For 2 and 3, "sharing on" = run_batch(share_prefix=True), "off" = run_batch(share_prefix=False),
-   both on the same engine with its radix prefix cache on (reset before each run): the ratio
-   (off / on wall time) is what the DSL's shared prefill adds on top of the cache. (It used to
-   compare against an engine without a prefix cache, which credited the cache's work to the DSL.)
+   both on the same engine with its radix prefix cache on (reset before each run), alternating
+   pairs after a warm-up: the ratio (off / on wall time, paired median) is what the DSL's shared
+   prefill adds on top of the cache, next to each arm's engine steps, forward tokens and time
+   outside the forward. (It used to compare against an engine without a prefix cache, which
+   credited the cache's work to the DSL.)
 4. frontend overhead per gen call on the instant FakeEngine (deepinfer.lang.bench).
-5. compiler (deepinfer.lang.compiler), compiled (default) vs compile=False, wall time and time to
-   the first generated token:
+5. compiler (deepinfer.lang.compiler), compiled (default) vs compile=False, alternating pairs: wall
+   time, time to the first generated token (the end of the step that sampled the batch's first
+   token, timed from the run_batch call, so the compiled arm's tracing counts) and to the first
+   finished generation:
    a. 3-stage program (extract -> classify with select -> summarise with a JSON schema) over R records;
    b. fork(4) tree search (propose 4 steps, score each with select, keep the best), Q programs;
-   c. S programs with S distinct JSON schemas (ahead-of-time compile in the grammar threads vs a
-      compile inside each program's first request). Targets: (c) first output >= 5x sooner, (a)/(b) >= 1.0x.
+   c. S programs with S distinct JSON schemas, fresh per run, the grammar compiler's one-time set-up
+      done before both arms. Interpreted, the engine compiles the first schema inside its
+      add_request (idle engine) and the other S-1 in its two compile threads, which run beside the
+      first step; compiled, the first program's schema compiles first, alone, its request runs its
+      first step alone, and the others compile after that step (EngineBackend.precompile_after).
+      Targets: (c) first output >= 5x sooner, (a)/(b) >= 1.0x.
 
     python benchmarks/programs.py [--programs 64] [--questions 128] [--tokens 16] [--records 200]
                                   [--schemas 100] [--only batch,sharing,frontend,compiler]
@@ -145,28 +153,48 @@ def bench_batch(engine: Engine, n: int, tokens: int, reps: int = 3) -> dict:
             "dsl_fwd_s": best["dsl"][4], "direct_fwd_s": best["direct"][4]}
 
 
-def bench_sharing(engine: Engine, q: int, tokens: int) -> dict:
+def _paired(on: list[tuple], off: list[tuple]) -> dict:
+    """Median over pairs of off / on wall, and the same with each pair's forward passes charged
+    equally (the smaller forward time to both): what is left is the time outside the forward."""
+    mid = len(on) // 2
+    wall = sorted(f[0] / o[0] for o, f in zip(on, off))
+    level = sorted((f[0] - f[3] + min(o[3], f[3])) / (o[0] - o[3] + min(o[3], f[3])) for o, f in zip(on, off))
+    return {"ratio": wall[mid], "ratios": wall, "level": level[mid]}
+
+
+def bench_sharing(engine: Engine, q: int, tokens: int, reps: int = 3) -> dict:
+    """share_prefix on vs off for the select and fork workloads, `reps` pairs alternating which
+    goes first, each run from a reset prefix cache and a fresh collection, after a warm-up of
+    both. Per arm: wall, engine steps, forward tokens, forward seconds (each run's; medians and
+    the best printed). The first measurement ran on before off with no warm-up, once, under load:
+    on read 0.63x (select) and 0.81x (fork) of off, with the same engine steps and forward tokens
+    within 1 % (32 questions: 4 vs 4 steps, 1086 vs 1103 tokens; 17 vs 17, 3085 vs 3059): the
+    difference was the forward's time, i.e. the load, not work either arm did."""
     prefix = few_shot_prefix()
     qs = [f"Is {SUBJECTS[i % len(SUBJECTS)]} ever found in space? (#{i})" for i in range(q)]
+    work = {
+        "select": (quiz, [{"prefix": prefix, "question": x} for x in qs]),
+        "fork": (brainstorm, [{"context": FORK_CONTEXT, "topic": f"{SUBJECTS[i % len(SUBJECTS)]} #{i}",
+                               "tokens": tokens} for i in range(q)]),
+    }
+    reset = getattr(engine, "reset_prefix_cache", None)
     res = {}
-    for label, share in (("on", True), ("off", False)):
-        reset = getattr(engine, "reset_prefix_cache", None)
-        if reset:
-            reset()
-        t = time.perf_counter()
-        states = quiz.run_batch([{"prefix": prefix, "question": x} for x in qs], backend=engine, share_prefix=share)
-        res[f"select_{label}_s"] = time.perf_counter() - t
-        assert all(st.ok for st in states), next(st.error() for st in states if not st.ok)
-        if reset:
-            reset()
-        t = time.perf_counter()
-        states = brainstorm.run_batch(
-            [{"context": FORK_CONTEXT, "topic": f"{SUBJECTS[i % len(SUBJECTS)]} #{i}", "tokens": tokens}
-             for i in range(q)], backend=engine, share_prefix=share)
-        res[f"fork_{label}_s"] = time.perf_counter() - t
-        assert all(st.ok for st in states), next(st.error() for st in states if not st.ok)
-    res["select_ratio"] = res["select_off_s"] / res["select_on_s"]
-    res["fork_ratio"] = res["fork_off_s"] / res["fork_on_s"]
+    for name, (prog, batch) in work.items():
+        for share in (True, False):  # warm-up: first-use costs (templates, encoders) out of the timed runs
+            prog.run_batch(batch[:2], backend=engine, share_prefix=share)
+        runs: dict[bool, list] = {True: [], False: []}
+        for r in range(reps):
+            for share in ((True, False) if r % 2 == 0 else (False, True)):
+                if reset:
+                    reset()
+                gc.collect()
+                before = _stats(engine)
+                t = time.perf_counter()
+                states = prog.run_batch(batch, backend=engine, share_prefix=share)
+                wall = time.perf_counter() - t
+                assert all(st.ok for st in states), next(st.error() for st in states if not st.ok)
+                runs[share].append((wall, *(a - b for a, b in zip(_stats(engine), before))))
+        res[name] = {"on": runs[True], "off": runs[False], **_paired(runs[True], runs[False])}
     return res
 
 
@@ -220,25 +248,32 @@ def distinct_schemas(n: int, tag: str) -> list[dict]:
 
 
 class _FirstOutput:
-    """Engine proxy that notes when the first generated token of the run comes back."""
+    """Engine proxy that notes when the run's first generated token comes back (`first`: the end of
+    the step that sampled it) and when its first generation finishes (`done`)."""
 
     def __init__(self, engine):
-        self._e, self.tokenizer, self.first = engine, engine.tokenizer, None
+        self._e, self.tokenizer, self.first, self.done = engine, engine.tokenizer, None, None
 
     def __getattr__(self, name):
         return getattr(self._e, name)
 
     def step(self):
         outs = self._e.step()
-        if self.first is None and any(o.token_ids for o in outs):
-            self.first = time.perf_counter()
+        if self.done is None:
+            now = time.perf_counter()
+            if self.first is None and any(o.token_ids for o in outs):
+                self.first = now
+            if any(o.finished and o.token_ids for o in outs):
+                self.done = now
         return outs
 
 
 def timed_batch(prog, batch, engine, compile_: bool, **kw) -> tuple[float, ...]:
     """(wall seconds, seconds to the first generated token, engine steps, forward tokens, forward
-    seconds) of one run_batch. Steps and forward tokens are the work done, which the machine's load
-    does not change: where the two modes' walls differ but these do not, the difference is noise."""
+    seconds, seconds to the first finished generation) of one run_batch, timed from the call (the
+    compiled arm's tracing and planning included). Steps and forward tokens are the work done,
+    which the machine's load does not change: where the two modes' walls differ but these do
+    not, the difference is noise."""
     reset = getattr(engine, "reset_prefix_cache", None)
     if reset:
         reset()
@@ -250,13 +285,15 @@ def timed_batch(prog, batch, engine, compile_: bool, **kw) -> tuple[float, ...]:
     wall = time.perf_counter() - t
     bad = [st.error() for st in states if not st.ok]
     assert not bad, bad[0]
-    return (wall, (proxy.first or time.perf_counter()) - t, *(a - b for a, b in zip(_stats(engine), before)))
+    end = time.perf_counter()
+    return (wall, (proxy.first or end) - t, *(a - b for a, b in zip(_stats(engine), before)), (proxy.done or end) - t)
 
 
 def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens: int, parts: str = "abc",
-                   rounds: int = 2, report=None, compiled_first: bool = False) -> dict:
-    """Compiled vs interpreted for each workload in `parts` (in that order); `report(key, res)` is
-    called as each workload finishes (a full-size workload takes minutes on this CPU)."""
+                   rounds: int = 3, report=None, compiled_first: bool = False) -> dict:
+    """Compiled vs interpreted for each workload in `parts` (in that order), `rounds` pairs
+    alternating which mode goes first; res[f"{key}_{mode}"] lists each run's timed_batch tuple.
+    `report(key, res)` is called as each workload finishes (a full-size one takes minutes here)."""
     res = {}
     reviews = [f"I bought the {SUBJECTS[i % len(SUBJECTS)]} kit #{i}; it works, but the box was damaged."
                for i in range(records)]
@@ -273,8 +310,7 @@ def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens:
             for r in range(rounds):  # alternate which mode goes first (--compiled-first flips it)
                 for compile_ in ((False, True) if (r + compiled_first) % 2 == 0 else (True, False)):
                     name = f"{key}_{'compiled' if compile_ else 'interp'}"
-                    got = timed_batch(prog, batch, engine, compile_, **kw)
-                    res[name] = tuple(map(min, zip(res[name], got))) if name in res else got
+                    res.setdefault(name, []).append(timed_batch(prog, batch, engine, compile_, **kw))
         elif key == "c":
             # the grammar compiler's one-time set-up (the vocabulary) first, so neither mode pays it: both
             # arms start with the compiler built and warm and none of their own (fresh) schemas compiled
@@ -296,8 +332,7 @@ def bench_compiler(engine: Engine, records: int, q: int, n_schemas: int, tokens:
                     batch = [{"i": i, "schema": sc, "tokens": 24}
                              for i, sc in enumerate(distinct_schemas(n_schemas, tag))]
                     name = f"c_{'compiled' if compile_ else 'interp'}"
-                    got = timed_batch(schema_prog, batch, engine, compile_, temperature=0.0)
-                    res[name] = tuple(map(min, zip(res[name], got))) if name in res else got
+                    res.setdefault(name, []).append(timed_batch(schema_prog, batch, engine, compile_, temperature=0.0))
         else:
             continue
         if report is not None:
@@ -316,7 +351,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-mib", type=int, default=512)
     ap.add_argument("--only", default="batch,sharing,frontend,compiler", help="comma-separated sections to run")
     ap.add_argument("--parts", default="abc", help="which compiler workloads (a, b, c) to run, in that order")
-    ap.add_argument("--rounds", type=int, default=2, help="interpreted / compiled pairs per compiler workload")
+    ap.add_argument("--rounds", type=int, default=3, help="interpreted / compiled pairs per compiler workload")
     ap.add_argument("--compiled-first", action="store_true", help="start each workload's pairs with the compiled run")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -336,12 +371,17 @@ def main() -> None:
               f"{b['dsl_fwd_s']:.2f}s vs {b['direct_fwd_s']:.2f}s, outside the forward {b['dsl_rest_s']:.2f}s vs "
               f"{b['direct_rest_s']:.2f}s; ratio with equal forward time per pair (median) {b['level_median']:.3f}")
     if "sharing" in only:
-        s = bench_sharing(on, args.questions, args.tokens)
-        print(f"[select] {args.questions} questions, 5-shot prefix, 4 choices: share_prefix on {s['select_on_s']:.2f}s"
-              f", off {s['select_off_s']:.2f}s (radix cache on in both) -> ratio {s['select_ratio']:.2f}x")
-        print(f"[fork]   {args.questions} programs, fork(4) x {args.tokens} tokens: share_prefix on "
-              f"{s['fork_on_s']:.2f}s, off {s['fork_off_s']:.2f}s (radix cache on in both) -> ratio "
-              f"{s['fork_ratio']:.2f}x")
+        s = bench_sharing(on, args.questions, args.tokens, args.reps)
+        what = {"select": f"{args.questions} questions, 5-shot prefix, 4 choices",
+                "fork": f"{args.questions} programs, fork(4) x {args.tokens} tokens"}
+        for name, r in s.items():
+            med = {k: sorted(r[k])[len(r[k]) // 2] for k in ("on", "off")}
+            print(f"[{name}] {what[name]}, radix cache on in both, {len(r['on'])} alternating pairs: share_prefix on "
+                  f"median {med['on'][0]:.2f}s, off {med['off'][0]:.2f}s -> off/on paired median {r['ratio']:.2f}x "
+                  f"(all {', '.join(f'{x:.2f}' for x in r['ratios'])}); engine steps {med['on'][1]} vs {med['off'][1]}, "
+                  f"forward tokens {med['on'][2]} vs {med['off'][2]}, forward {med['on'][3]:.2f}s vs {med['off'][3]:.2f}s, "
+                  f"outside the forward {med['on'][0] - med['on'][3]:.2f}s vs {med['off'][0] - med['off'][3]:.2f}s "
+                  f"(on vs off); off/on with equal forward time per pair (median) {r['level']:.2f}x", flush=True)
     if "frontend" in only:
         runs = [frontend_overhead_us(n_programs=200, gens_per_program=4) for _ in range(args.reps * 3)]
         f = {k: sorted(r[k] for r in runs) for k in runs[0]}
@@ -366,11 +406,17 @@ def main() -> None:
                  "c": f"{args.schemas} distinct JSON schemas"}
 
         def report(key: str, c: dict) -> None:
-            (iw, it, isteps, itok, ifwd), (cw, ct, csteps, ctok, cfwd) = c[f"{key}_interp"], c[f"{key}_compiled"]
-            print(f"[compiler {key}] {names[key]}: interpreted {iw:.2f}s (first token {it:.2f}s), compiled {cw:.2f}s "
-                  f"(first token {ct:.2f}s) -> wall {iw / cw:.2f}x, first output {it / ct:.2f}x sooner; engine steps "
-                  f"{isteps} vs {csteps}, forward tokens {itok} vs {ctok}, forward time {ifwd:.2f}s vs {cfwd:.2f}s "
-                  f"(interpreted vs compiled; each figure the least over the runs)", flush=True)
+            ri, rc = c[f"{key}_interp"], c[f"{key}_compiled"]
+            mi, mc = ([sorted(col)[len(col) // 2] for col in zip(*runs)] for runs in (ri, rc))
+            pair = {what: sorted(i[j] / k[j] for i, k in zip(ri, rc))[len(ri) // 2]
+                    for what, j in (("wall", 0), ("first", 1), ("done", 5))}
+            print(f"[compiler {key}] {names[key]}, {len(ri)} alternating pairs, medians: interpreted {mi[0]:.2f}s "
+                  f"(first token {mi[1]:.3f}s, first finished gen {mi[5]:.2f}s), compiled {mc[0]:.2f}s (first token "
+                  f"{mc[1]:.3f}s, first finished gen {mc[5]:.2f}s); paired medians interpreted / compiled: wall "
+                  f"{pair['wall']:.2f}x, first token {pair['first']:.2f}x sooner, first finished gen {pair['done']:.2f}x "
+                  f"(first tokens interpreted {', '.join(f'{r[1]:.3f}' for r in ri)}; compiled "
+                  f"{', '.join(f'{r[1]:.3f}' for r in rc)}); engine steps {mi[2]} vs {mc[2]}, forward tokens {mi[3]} vs "
+                  f"{mc[3]}, forward time {mi[4]:.2f}s vs {mc[4]:.2f}s (interpreted vs compiled)", flush=True)
             if key == "c" and "c_parts" in c:
                 print(f"[compiler c] both modes start with the grammar compiler warm and none of their schemas "
                       f"compiled; one fresh schema compiles in {c['c_parts'][0] * 1e3:.0f} ms alone, a 1-token "

@@ -36,6 +36,8 @@ class EngineBackend:
         self._compiles: dict[tuple, Any] = {}  # constraint key -> Future of its precompile
         self._params: dict[tuple, SamplingParams] = {}  # make_params cache
         self._compiles_lock = threading.Lock()
+        self._held: set[int] = set()  # ids of precompile_after proxies whose compile has not started
+        self._gates: list[Future] = []  # resolved after the next engine step (precompile_after)
         # ids that end generation: the engine may add the model config's to the tokenizer's
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
         eos += list(getattr(engine, "eos_token_ids", None) or [])
@@ -104,31 +106,38 @@ class EngineBackend:
             futs = [self._compiles.get(constraint_key(p)) for p in params_list]
         return [f for f in futs if f is not None]
 
-    def precompile_after(self, after: list[Any], params_list: list[SamplingParams], wait_s: float = 0.1,
-                         in_flight: int = 2) -> int:
-        """`precompile` params_list once every future in `after` is done (or `wait_s` seconds have
-        passed), `in_flight` at a time, each next one as one finishes: the first program's
-        constraints compile first, alone. Meanwhile each counts as compiling, so the runtime holds
-        its requests rather than let the engine compile it on the spot. Returns how many.
+    def precompile_after(self, after: list[Any], params_list: list[SamplingParams], wait_s: float = 0.5,
+                         in_flight: int = 2, after_step: bool = True) -> int:
+        """`precompile` params_list once every future in `after` is done and (with `after_step`) the
+        engine's next step has returned, `in_flight` at a time, each next one as one finishes: the
+        first program's constraints compile first, alone, and its first step runs with no compile
+        beside it. Meanwhile each counts as compiling, so the runtime holds its requests rather
+        than let the engine compile it on the spot. If `after` is not done within `wait_s` seconds
+        (a slow first schema), they start then. Returns how many.
 
         Started together, 100 fresh schemas shared the CPU with the first one and the batch's first
         output came 2.8x later than interpreted (265 vs 95 ms, tiny model, where the interpreted
         runtime compiled the first schema alone, in 23 ms); started all at once when the first was
-        done, their spec building (18 ms) delayed the first request's submission. `wait_s` bounds
-        what a slow first schema holds the rest back; `in_flight` is the engine's compile threads
-        (GrammarCompiler's default 2)."""
+        done, their spec building (18 ms) delayed the first request's submission. Started when the
+        first was done, two compiles ran beside the first step: a 1-token request took 920-1320 ms
+        with two compile threads busy against 320-370 ms without (2 loaded cores), and the first
+        output waited on that step. `wait_s` was 0.1 s, but on loaded cores the first schema's
+        compile (23 ms quiet) overran it (its request went in at 505 ms) and the rest started beside
+        the first step. `in_flight` is the engine's compile threads (GrammarCompiler's default 2)."""
         fn = getattr(self.engine, "precompile", None)
         if fn is None or not params_list:
             return 0
         pending = [f for f in after if not f.done()]
+        gate = self._next_step_gate() if after_step else None
         queue: list[tuple[SamplingParams, Future]] = []
         with self._compiles_lock:
             for p in params_list:
                 proxy: Future = Future()
                 self._compiles[constraint_key(p)] = proxy
+                self._held.add(id(proxy))
                 queue.append((p, proxy))
         lock = threading.Lock()
-        state = {"left": len(pending), "started": False}
+        started = [False]
 
         def next_one() -> None:
             while True:
@@ -146,27 +155,42 @@ class EngineBackend:
                 fut.add_done_callback(lambda _f, proxy=proxy: (proxy.set_result(None), next_one()))
                 return
 
-        def start(reason: Any = None) -> None:
+        def start(force: bool = False) -> None:
             with lock:
-                if reason is not None:  # one of `after` finished
-                    state["left"] -= 1
-                    if state["left"] > 0:
-                        return
-                if state["started"]:
+                if started[0]:
                     return
-                state["started"] = True
+                if not force and (any(not f.done() for f in pending) or (gate is not None and not gate.done())):
+                    return
+                started[0] = True
+            with self._compiles_lock:
+                self._held.difference_update(id(proxy) for _, proxy in queue)
             for _ in range(max(1, in_flight)):
                 next_one()
 
-        if not pending:
-            start()
-            return len(params_list)
-        timer = threading.Timer(wait_s, start)
-        timer.daemon = True
-        timer.start()
         for f in pending:
-            f.add_done_callback(start)
+            f.add_done_callback(lambda _f: start())
+        if gate is not None:
+            gate.add_done_callback(lambda _f: start())
+        if pending:  # a slow first compile holds the rest back at most wait_s
+            timer = threading.Timer(wait_s, lambda: start(force=any(not f.done() for f in pending)))
+            timer.daemon = True
+            timer.start()
+        start()
         return len(params_list)
+
+    def _next_step_gate(self) -> Future:
+        """A future resolved when the engine's next step returns (or when nothing can step: see
+        wait_compiles)."""
+        gate: Future = Future()
+        with self._compiles_lock:
+            self._gates.append(gate)
+        return gate
+
+    def _open_gates(self) -> None:
+        with self._compiles_lock:
+            gates, self._gates = self._gates, []
+        for g in gates:
+            g.set_result(None)
 
     def compiling(self, params: SamplingParams) -> bool:
         """True while a precompile of params' constraint is still running (its request would wait)."""
@@ -180,14 +204,21 @@ class EngineBackend:
                 fut = None
         return fut is not None
 
-    def wait_compiles(self, timeout: float) -> None:
-        """Block until some running precompile finishes (or `timeout` seconds pass)."""
+    def wait_compiles(self, timeout: float, params_list: list[SamplingParams]) -> None:
+        """Block until the precompile of one of params_list's constraints (the held requests')
+        finishes, or `timeout` seconds pass. If all of them are held for an engine step
+        (precompile_after) that cannot come, as nothing else is in flight, they start now."""
         from concurrent.futures import FIRST_COMPLETED, wait
 
         with self._compiles_lock:
-            futs = list(self._compiles.values())
-        if futs:
-            wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)
+            futs = [self._compiles.get(constraint_key(p)) for p in params_list]
+            if any(f is None or f.done() for f in futs):
+                return  # one is ready to submit
+            stalled = bool(self._gates) and all(id(f) in self._held for f in futs)
+        if stalled:
+            self._open_gates()
+            return
+        wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)  # (held ones wait out their wait_s timer)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> str:
         """Submit one request with a fresh id; raises the engine's InvalidRequestError/GrammarError."""
@@ -207,7 +238,11 @@ class EngineBackend:
             fn(handle)
 
     def step(self) -> list[RequestOutput]:
-        return self.engine.step()
+        try:
+            return self.engine.step()
+        finally:
+            if self._gates:
+                self._open_gates()
 
     def abort(self, request_id: str) -> None:
         try:

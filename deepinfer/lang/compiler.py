@@ -7,7 +7,8 @@
    the program line. Needs no model.
 2. `constraint_params`: every distinct constrained gen's SamplingParams, for compiling them all
    up front in the engine's compile threads (`plan_batch` starts those compiles: the first
-   program's at once, the later programs' once those are done, see EngineBackend.precompile_after).
+   program's at once, the later programs' once those are done and the engine's first step has
+   returned, see EngineBackend.precompile_after).
 3. `static_prefix`: the leaves at the start of the program that no varying argument changes
    (the text to prefill once for the whole batch), cut where the first varying argument enters;
    `batch_prefix` continues it by the common start of that argument's values in the batch.
@@ -340,7 +341,8 @@ def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[st
         return out
 
     # the first program's constraints start compiling at once (while the later programs are traced);
-    # the later programs' once those are done, so the first request does not share the CPU with them
+    # the later programs' once those are done and the first step has returned, so the first request's
+    # compile and step do not share the CPU with them
     first = new(constraint_params(graph.nodes, defaults, checked=False))
     plan.compiles += sum(bool(backend.precompile(p)) for p in first)
     varying = varying_arguments(func, jobs)

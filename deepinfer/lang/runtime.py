@@ -226,7 +226,7 @@ class Runtime:
             if self._reqs:
                 self._step()
             elif self._parked:  # only requests waiting on their compile: wait for one to finish
-                self.backend.wait_compiles(0.05)
+                self.backend.wait_compiles(0.05, [e[3] for e in self._parked])
             elif any(b.active for b in self._batches):
                 self._fail_stuck()
             self._batches = [b for b in self._batches if b.finished < b.n]

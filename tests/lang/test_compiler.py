@@ -410,3 +410,54 @@ def test_a_slow_first_compile_holds_the_later_ones_back_only_wait_s():
         assert time.time() < deadline
         time.sleep(0.01)
     assert [c[0] for c in eng.calls] == [p.json_schema for p in later] and not never.done()
+
+
+class _SteppedCompileEngine(_TimedCompileEngine):
+    """Also records, per precompile call, how many engine steps had returned by then."""
+
+    def __init__(self, delay=0.0):
+        super().__init__(delay)
+        self.steps, self.at = 0, []
+
+    def precompile(self, params):
+        self.at.append(self.steps)
+        return super().precompile(params)
+
+    def step(self):
+        outs = super().step()
+        self.steps += 1
+        return outs
+
+
+def test_the_later_compiles_wait_for_the_first_programs_step():
+    """The first program's request steps with no compile beside it: the later programs' constraints
+    start compiling only once the engine's first step has returned."""
+    @di.function
+    def typed(s, schema, i):
+        s += f"Record {i}: " + di.gen("obj", json_schema=schema, max_tokens=32)
+
+    schemas = [{"type": "object", "properties": {f"s{k}": {"type": "integer"}}, "required": [f"s{k}"]}
+               for k in range(5)]
+    eng = _SteppedCompileEngine(delay=0.01)
+    states = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=eng, temperature=0.0)
+    assert all(st.ok for st in states), [st.error() for st in states]
+    assert [c[0] for c in eng.calls] == schemas
+    assert eng.at[0] == 0 and all(n >= 1 for n in eng.at[1:]), eng.at
+
+
+def test_held_compiles_start_when_the_first_program_never_steps():
+    """The first program fails before its request reaches the engine: nothing steps, so the held
+    compiles start anyway and the other programs finish (no hang)."""
+    @di.function
+    def typed(s, schema, i):
+        if i == 0:
+            raise ValueError("first program fails")
+        s += f"Record {i}: " + di.gen("obj", json_schema=schema, max_tokens=32)
+
+    schemas = [{"type": "object", "properties": {f"h{k}": {"type": "string"}}, "required": [f"h{k}"]}
+               for k in range(4)]
+    eng = _SteppedCompileEngine(delay=0.01)
+    states = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=eng, temperature=0.0)
+    assert not states[0].ok and isinstance(states[0].error(), ValueError)
+    assert all(st.ok for st in states[1:]), [st.error() for st in states[1:]]
+    assert eng.steps >= 1
