@@ -186,40 +186,37 @@ AVX2 static inline void sub_block_ps(const __m256i q, const kq_scales *s, int g,
     w[3] = _mm256_fmadd_ps(w[3], s1, o);
 }
 
+/* Every 32-weight sub-block of a k-quant row, in order, as w[4] (4 x 8 fp32 weights) whose first column
+ * is k0: the one walk the dequantiser and the exact tile share (a macro, so the tile's hot loop is
+ * the same code as written out). */
+#define KQ_WALK_AVX2(fmt, row, K, k0, w, BODY)                                  \
+    do {                                                                        \
+        const int bb_ = kq_bytes(fmt);                                          \
+        for (int64_t sb_ = 0; sb_ < (K) / QK_K; ++sb_) {                        \
+            const uint8_t *b_ = (row) + sb_ * bb_;                              \
+            kq_scales s_;                                                       \
+            __m256i q_[8];                                                      \
+            kq_scales_of(fmt, b_, &s_);                                         \
+            kq_quants_avx2(fmt, b_, q_);                                        \
+            for (int g_ = 0; g_ < 8; ++g_) {                                    \
+                __m256 w[4];                                                    \
+                const int64_t k0 = sb_ * QK_K + 32 * g_;                        \
+                sub_block_ps(q_[g_], &s_, g_, w);                               \
+                BODY;                                                           \
+            }                                                                   \
+        }                                                                       \
+    } while (0)
+
 AVX2 static void dequant_row_avx2(int fmt, const uint8_t *row, int64_t K, float *out) {
-    const int bb = kq_bytes(fmt);
-    for (int64_t sb = 0; sb < K / QK_K; ++sb) {
-        const uint8_t *b = row + sb * bb;
-        kq_scales s;
-        __m256i q[8];
-        kq_scales_of(fmt, b, &s);
-        kq_quants_avx2(fmt, b, q);
-        for (int g = 0; g < 8; ++g) {
-            __m256 w[4];
-            sub_block_ps(q[g], &s, g, w);
-            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + sb * QK_K + 32 * g + 8 * i, w[i]);
-        }
-    }
+    KQ_WALK_AVX2(fmt, row, K, k0, w, for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k0 + 8 * i, w[i]));
 }
 
 AVX2 static inline __attribute__((always_inline)) void tile_exact_avx2(int fmt, const uint8_t *wrow, int64_t K,
                                                                        const float *x, int64_t ldx, int mr,
                                                                        float *y, int64_t ldy) {
-    const int bb = kq_bytes(fmt);
     __m256 a0[MR], a1[MR];
     for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-    for (int64_t sb = 0; sb < K / QK_K; ++sb) {
-        const uint8_t *b = wrow + sb * bb;
-        kq_scales s;
-        __m256i q[8];
-        kq_scales_of(fmt, b, &s);
-        kq_quants_avx2(fmt, b, q);
-        for (int g = 0; g < 8; ++g) {
-            __m256 w[4];
-            sub_block_ps(q[g], &s, g, w);
-            fma32_rows(w, x + sb * QK_K + 32 * g, ldx, mr, a0, a1);
-        }
-    }
+    KQ_WALK_AVX2(fmt, wrow, K, k0, w, fma32_rows(w, x + k0, ldx, mr, a0, a1));
     for (int r = 0; r < mr; ++r) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 }
 
