@@ -81,9 +81,6 @@ class RankedKV:
         return best
 
     # ---- capacity -------------------------------------------------------------------------------
-    def num_available_blocks(self) -> int:
-        return sum(p.num_available_blocks() for p in self.pools)
-
     def num_free_blocks(self) -> int:
         return sum(p.num_free_blocks() for p in self.pools)
 
