@@ -134,3 +134,49 @@ def test_allowed_token_ids_are_the_set_bits(V):
     # a row of a larger mask (a view) gives the same ids
     mask = torch.stack(rows)
     assert allowed_token_ids(mask[0], V).tolist() == allowed_token_ids(rows[0].clone(), V).tolist()
+
+
+@pytest.mark.parametrize("kind", ["random", "sparse", "dense", "sign_bit", "all", "none"])
+def test_torch_fallback_equals_native_path(kind, monkeypatch):
+    """fp32 logits go through the native kernel; without it (or for other dtypes) the torch paths run:
+    both must equal the reference."""
+    from deepinfer_kernels import bitmask as native_bitmask
+
+    g = torch.Generator().manual_seed(11)
+    B, V = 4, 1000
+    mask = _mask(kind, B, (V + 31) // 32, g)
+    logits = torch.randn(B, V, generator=g)
+    native, ref = logits.clone(), logits.clone()
+    apply_token_bitmask_(native, mask, rows=[0, 2, 3])
+    apply_token_bitmask_reference_(ref, mask, rows=[0, 2, 3])
+    assert torch.equal(native, ref)
+    calls = []
+    monkeypatch.setattr(native_bitmask, "apply_", lambda *a: calls.append(1) or False)
+    fallback = logits.clone()
+    apply_token_bitmask_(fallback, mask, rows=[0, 2, 3])
+    assert calls and torch.equal(fallback, ref)
+
+
+@pytest.mark.parametrize("kind", ["one_byte", "two_bytes", "specials_only", "none", "all"])
+def test_forced_byte_native_equals_numpy(kind, monkeypatch):
+    """The jump-forward probe's question (which first byte every allowed token shares) answered by
+    the native kernel and by the numpy path alike."""
+    import numpy as np
+
+    from deepinfer.grammar import xgrammar_backend as xb
+    from deepinfer_kernels import bitmask as native_bitmask
+
+    g = torch.Generator().manual_seed(5)
+    V = 3000
+    first = torch.randint(0, 256, (V,), generator=g).to(torch.int16).numpy()
+    first[:10] = -1  # special tokens: no first byte
+    row = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
+    ids = {"one_byte": np.flatnonzero(first == first[100])[:7], "two_bytes": [100, int(np.flatnonzero(first != first[100])[-1])],
+           "specials_only": [1, 5], "none": [], "all": list(range(V))}[kind]
+    for t in ids:
+        row[0, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32) if t % 32 != 31 else torch.tensor(-(2**31), dtype=torch.int32)
+    want = {"one_byte": int(first[100]), "two_bytes": None, "specials_only": None, "none": None, "all": None}[kind]
+    assert native_bitmask.forced_byte(row[0], first) == want
+    assert xb._next_bytes_forced(row, first) == want
+    monkeypatch.setattr(native_bitmask, "forced_byte", lambda *a: False)  # the numpy path
+    assert xb._next_bytes_forced(row, first) == want
