@@ -264,3 +264,31 @@ def pack(w: torch.Tensor, fmt: int) -> QuantWeight:
         q = ((b - m.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
         raw = torch.cat([half_bytes(d), half_bytes(m), q[..., :16] | (q[..., 16:] << 4)], -1)
     return QuantWeight(raw.reshape(n, -1).contiguous(), fmt, n, k)
+
+
+# ---- many rows, default mode: dequantised 16-row panels and an outer-product tile (csrc/qgemm_outer.c)
+_outer = None
+
+
+def qlinear_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias) through csrc/qgemm_outer.c: one fixed order per output whatever M
+    (so a row does not depend on the batch), but not the row kernels' order: for the default mode at
+    PANEL_M+ rows, not the batch-invariant one. Without AVX2 it runs `qlinear`'s exact mode."""
+    global _outer
+    lib = _lib()
+    if _outer is None:
+        i64, fp, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.di_qgemm_outer.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
+        lib.di_qgemm_outer.restype = i32
+        _outer = lib.di_qgemm_outer
+    x = _check_x("qlinear_outer", x, w.k)
+    m = x.shape[0]
+    out = torch.empty(m, w.n, dtype=torch.float32)
+    if m and _outer(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k,
+                    out.data_ptr(), out.stride(0)):
+        return qlinear(x, w, bias, mode="exact")
+    if bias is not None:
+        if bias.shape != (w.n,):
+            raise KernelInputError(f"qlinear_outer: bias {tuple(bias.shape)} does not fit {w.n} outputs")
+        out += bias
+    return out

@@ -10,12 +10,11 @@ wrong number. A tied embedding matrix stays quantised too; its lookups dequantis
 
 Small M (decode) runs the native row kernel, reading the weights as blocks (98 MB for SmolLM2-135M
 Q4_1 instead of 540 MB of fp32); in the exact mode through one `quant.RowKernel` per weight (arguments
-bound once, same bits). Many rows in the exact mode run the panel kernel
-(csrc/qgemm_panel.c: three weight rows dequantised into L1 at a time, a 2 x 3 register tile over
-all rows), bit-identical to the row kernel, so the batch-invariant mode uses it too. The int8 mode
-switches to that exact panel kernel from LARGE_M rows (not in the batch-invariant mode, whose int8
-rows must not depend on M). Without AVX2 (no panel kernel) many rows dequantise the matrix for the
-call and run oneDNN, as before.
+bound once, same bits). From OUTER_M rows both modes run csrc/qgemm_outer.c (16 weight rows
+dequantised into a transposed panel, a 6 x 16 outer-product tile): one fixed order per output, not
+the row kernel's. The batch-invariant mode instead runs the panel kernel there (csrc/qgemm_panel.c:
+bit-identical to the row kernel, so a row's bits never depend on M; its int8 rows stay int8).
+Without AVX2 many rows dequantise the matrix for the call and run oneDNN, as before.
 """
 
 from __future__ import annotations
@@ -29,11 +28,15 @@ from deepinfer.engine.placeholder import is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
 from deepinfer_kernels import quant
 
-# int8 mode: rows from which a call runs the exact panel kernel instead (see benchmarks/quant_kernels.py);
-# without AVX2, rows from which it dequantises and uses oneDNN (the row kernel took 26.7 ms vs 14.4 for
-# dequantise + oneDNN on Q4_1 3072 x 576 at M = 128, 1 thread)
-LARGE_M = 64
-LARGE_PATH = "panel"
+# rows from which a call (default mode, AVX2) runs the outer-product kernel. Measured at 1 thread on this
+# AVX2 host (SmolLM2's Q4_1 shapes 960x576, 3072x576, 576x1536), ms: at 16 rows outer 0.41 / 0.98 /
+# 0.49 vs the exact row-or-panel path 0.40 / 1.08 / 0.58; at 32 rows 0.52 / 1.69 / 0.94 vs 0.68 / 2.20 /
+# 1.42; at 128 rows 1.73 / 6.65 / 3.33 vs 2.60 / 8.35 / 5.23, where the fp32 path's oneDNN GEMM on the
+# dequantised weights took 2.13 / 6.34 / 3.88. The int8 row kernel was slower than both from 16 rows.
+OUTER_M = 16
+# Without AVX2: rows from which the matrix is dequantised for the call and run on oneDNN (the row
+# kernel took 26.7 ms vs 14.4 for that on Q4_1 3072 x 576 at M = 128, 1 thread).
+DEQUANT_M = 64
 
 
 class QuantLinear:
@@ -48,10 +51,7 @@ class QuantLinear:
         self.table = table
         self.mode = mode
         self.invariant = invariant
-        self.panel = quant.cpu_level() >= 1  # the panel kernel is AVX2-only
-        # many rows outside the invariant mode: "dequant" (the matrix dequantised for the call, then
-        # oneDNN), "panel" or "panel1" (the one-chain tile); from large_m rows
-        self.large, self.large_m = LARGE_PATH, LARGE_M
+        self.avx2 = quant.cpu_level() >= 1  # the panel and outer-product kernels are AVX2-only
         # the exact mode's decode calls, arguments bound once per weight (same kernel, same bits)
         self.rows = {p: quant.RowKernel(q) for p, q in table.items()} if mode == "exact" else {}
 
@@ -66,10 +66,11 @@ class QuantLinear:
             if self.invariant:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
-        if x.shape[0] >= self.large_m and not self.invariant:
-            if self.large == "dequant" or not self.panel:
+        if not self.invariant:
+            if self.avx2 and x.shape[0] >= OUTER_M:
+                return quant.qlinear_outer(x, qw, b)
+            if not self.avx2 and x.shape[0] >= DEQUANT_M:
                 return F.linear(x, quant.dequantize(qw), b)
-            return quant.qlinear(x, qw, b, mode="exact", panel=True, one_chain=self.large == "panel1")
         return quant.qlinear(x, qw, b, mode=self.mode)
 
     @property
