@@ -1,11 +1,12 @@
 """The quantised-weight kernels per projection, side by side in one process: the row kernel (exact and
-int8), the exact panel kernel (row-kernel order, and the one-chain 4 x 3 tile), dequantise-then-oneDNN (the old large-M path) and the fp32 engine's own
-GEMM on the same weights (CpuLinear, oneDNN prepacked on AVX2). SmolLM2-135M's shapes; the k-quants
+int8), the exact panel kernel (row-kernel order: the batch-invariant mode's many-row path), the
+outer-product kernel (the default mode's many-row path), dequantise-then-oneDNN (the path without
+AVX2) and the fp32 engine's own GEMM on the same weights (CpuLinear, oneDNN prepacked on AVX2). SmolLM2-135M's shapes; the k-quants
 only where K is a multiple of 256 (down_proj, K = 1536) plus a 2048 x 2048 matrix.
 
     python benchmarks/quant_kernels.py [--rows 1 8 16 32 64 128 256] [--reps 20]
 
-Prints best-of-reps milliseconds and fp32 / panel (above 1: the panel kernel is faster).
+Prints best-of-reps milliseconds and fp32 / kernel (above 1: the quantised kernel is faster).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> None:
     byname = {v[0]: k for k, v in quant.FORMATS.items()}
     print(f"threads={torch.get_num_threads()} avx2={quant.cpu_level()} PANEL_M={quant.PANEL_M}")
     print(f"{'shape':>17} {'fmt':>5} {'M':>4} {'fp32 ms':>8} {'row ex':>8} {'panel':>8} {'row i8':>8} "
-          f"{'panel1':>8} {'deq+dnn':>8} {'fp32/panel':>10} {'fp32/panel1':>11} {'fp32/best q':>11}")
+          f"{'outer':>8} {'deq+dnn':>8} {'fp32/panel':>10} {'fp32/outer':>11} {'fp32/best q':>11}")
     gen = torch.Generator().manual_seed(0)
     for label in args.shapes:
         n, k = SHAPES[label]
@@ -56,14 +57,13 @@ def main() -> None:
                 t = {"fp32": best_ms(lambda: lin(x, w), args.reps),
                      "row": best_ms(lambda: quant.qlinear(x, qw, mode="exact", panel=False), args.reps),
                      "panel": best_ms(lambda: quant.qlinear(x, qw, mode="exact", panel=True), args.reps),
-                     "panel1": best_ms(lambda: quant.qlinear(x, qw, mode="exact", panel=True, one_chain=True),
-                                       args.reps),
+                     "outer": best_ms(lambda: quant.qlinear_outer(x, qw), args.reps),
                      "i8": best_ms(lambda: quant.qlinear(x, qw, mode="int8"), args.reps),
                      "deq": best_ms(lambda: F.linear(x, quant.dequantize(qw)), args.reps)}
-                best = min(t["row"], t["panel"], t["panel1"], t["i8"])
+                best = min(t["row"], t["panel"], t["outer"], t["i8"])
                 print(f"{label:>17} {fname:>5} {m:>4} {t['fp32']:>8.3f} {t['row']:>8.3f} {t['panel']:>8.3f} "
-                      f"{t['i8']:>8.3f} {t['panel1']:>8.3f} {t['deq']:>8.3f} {t['fp32'] / t['panel']:>10.2f} "
-                      f"{t['fp32'] / t['panel1']:>11.2f} {t['fp32'] / best:>11.2f}")
+                      f"{t['i8']:>8.3f} {t['outer']:>8.3f} {t['deq']:>8.3f} {t['fp32'] / t['panel']:>10.2f} "
+                      f"{t['fp32'] / t['outer']:>11.2f} {t['fp32'] / best:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def _lib():
         lib.di_q_dequant_rows.argtypes = [fp, i64, i32, i64, fp, i64, fp]
         lib.di_q_dequant_rows.restype = i32
         lib.di_q_cpu_level.restype = i32
-        lib.di_qgemm_panel.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64, i32]
+        lib.di_qgemm_panel.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
         lib.di_qgemm_panel.restype = i32
         lib.di_qgemm_exact_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
         lib.di_qgemm_exact_bound.restype = i32
@@ -122,12 +122,9 @@ def _check_x(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, mode: str = "int8",
-            level: int = 1, out: torch.Tensor | None = None, panel: bool | None = None,
-            one_chain: bool = False) -> torch.Tensor:
+            level: int = 1, out: torch.Tensor | None = None, panel: bool | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ W.T (+ bias) -> [M, N] fp32. level 0 forces the scalar code (tests).
-    panel (exact mode, AVX2): None = from PANEL_M rows on; True / False force it (tests, benchmarks).
-    one_chain (panel only): the faster 4 x 3 tile, one accumulator per output: still one fixed order
-    per output whatever M, but not the row kernel's, so its bits differ from those of small M."""
+    panel (exact mode, AVX2): None = from PANEL_M rows on; True / False force it (tests, benchmarks)."""
     if mode not in MODES:
         raise KernelInputError(f"qlinear: mode must be one of {MODES}, got {mode!r}")
     lib = _lib()
@@ -142,7 +139,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, m
         use_panel = mode == "exact" and level >= 1 and (m >= PANEL_M if panel is None else panel)
         # the panel kernel refuses (1) without AVX2: the row kernel below then runs
         rc = 1 if not use_panel else lib.di_qgemm_panel(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), rb, w.fmt,
-                                                        w.n, w.k, out.data_ptr(), out.stride(0), int(one_chain))
+                                                        w.n, w.k, out.data_ptr(), out.stride(0))
         if not rc:
             pass
         elif mode == "int8":

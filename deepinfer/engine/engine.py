@@ -71,14 +71,23 @@ QUANT_DTYPES = {"quantized": "int8", "quantized_exact": "exact"}
 
 
 def _quant_mode(name: str, device: torch.device) -> str | None:
-    """The kernel mode for quantised weights this dtype asks for, or None (auto stays fp32).
+    """The kernel mode for quantised weights this dtype asks for, or None (no block weights kept).
 
-    Measured side by side on this 2-core AVX2 host (benchmarks/throughput.py --precisions, SmolLM2
-    Q4_1, 32 new tokens): quantized_exact / fp32 = 2.23x at batch 1, 1.77x at 8, 1.03x at 32, but
-    0.74x at 128 (int8: 2.58 / 1.82 / 1.05 / 0.69x). Offline batch jobs run at the large batches,
-    so auto keeps the fp32 path until the quantized kernels win there too; ask for
-    "quantized_exact" (greedy answers equal to fp32 on 8/8 prompts, logprobs within 3.4e-5, weights
-    1.02x the file instead of 11x) or "quantized" (int8 activations: 5/8 equal) explicitly."""
+    "auto" on CPU keeps a GGUF checkpoint's block-quantised weights as stored and runs the exact mode
+    (dequantised in registers against fp32 activations; a checkpoint without such tensors, or a model
+    directory, runs fp32 as before). Measured side by side on this 2-core AVX2 host
+    (benchmarks/throughput.py --precisions float32 quantized_exact quantized, SmolLM2 Q4_1, 32 new
+    tokens, best of 3, nothing else running): quantized_exact / fp32 = 3.01x at batch 1, 1.61x at 8,
+    1.27x at 32, 1.07x at 128 (int8: 2.72 / 1.40 / 1.28 / 1.09x), with resident weights 1.02x the
+    file instead of 11x; greedy answers equal to fp32 on 8/8 prompts, logprobs within 3.4e-5. The
+    int8 mode ("quantized": 5/8 equal) stays an explicit choice. Without the native kernels (no C
+    compiler) auto stays fp32."""
+    if name == "auto":
+        if device.type != "cpu":
+            return None
+        from deepinfer_kernels import quant
+
+        return "exact" if quant.available() else None
     return QUANT_DTYPES.get(name)
 
 

@@ -45,45 +45,6 @@ AVX2 static inline __attribute__((always_inline)) void tile(const int mr, const 
         for (int j = 0; j < nj; ++j) y[r * ldy + j] = hsum8(_mm256_add_ps(a0[r][j], a1[r][j]));
 }
 
-/* the "one chain" order: a single accumulator per output (8 lanes over k in order, then the same
- * final sum), so a 4 x 3 tile fits in 12 registers: 7 loads per 12 FMAs instead of 5 per 6. Still one
- * fixed order per output whatever M, but not the row kernel's order (bits differ from small M). */
-#define QR 4
-AVX2 static inline __attribute__((always_inline)) void tile1(const int mr, const int nj, const float *x, int64_t ldx,
-                                                             const float *w, int64_t K, float *y, int64_t ldy) {
-    __m256 a[QR][PJ];
-    for (int r = 0; r < QR; ++r)
-        for (int j = 0; j < PJ; ++j) a[r][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 wv[PJ];
-        for (int j = 0; j < nj; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
-        for (int r = 0; r < mr; ++r) {
-            const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-            for (int j = 0; j < nj; ++j) a[r][j] = _mm256_fmadd_ps(wv[j], xv, a[r][j]);
-        }
-    }
-    for (int r = 0; r < mr; ++r)
-        for (int j = 0; j < nj; ++j) y[r * ldy + j] = hsum8(a[r][j]);
-}
-
-#define T1(R) do { if (nj == 3) tile1(R, 3, xr, ldx, w, K, yr, ldy); \
-                   else if (nj == 2) tile1(R, 2, xr, ldx, w, K, yr, ldy); \
-                   else tile1(R, 1, xr, ldx, w, K, yr, ldy); } while (0)
-
-AVX2 static void sweep1(int nj, const float *x, int64_t ldx, int64_t M, const float *w, int64_t K, float *y,
-                        int64_t ldy) {
-    for (int64_t r = 0; r < M; r += QR) {
-        const float *xr = x + r * ldx;
-        float *yr = y + r * ldy;
-        switch (M - r < QR ? (int)(M - r) : QR) {
-        case 4: T1(4); break;
-        case 3: T1(3); break;
-        case 2: T1(2); break;
-        default: T1(1); break;
-        }
-    }
-}
-
 AVX2 static void sweep(int nj, const float *x, int64_t ldx, int64_t M, const float *w, int64_t K, float *y,
                        int64_t ldy) {
     int64_t r = 0;
@@ -100,10 +61,11 @@ AVX2 static void sweep(int nj, const float *x, int64_t ldx, int64_t M, const flo
 }
 
 /* exact-mode y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) @ W.T; 1 when refused (no
- * AVX2, unknown format, K not whole blocks, no memory). one_chain: the 4 x 3 tile's order (faster,
- * not bit-identical to the row kernel) instead of the row kernel's. */
+ * AVX2, unknown format, K not whole blocks, no memory). (A one-accumulator 4 x 3 tile was tried here
+ * too: 2-4% faster, not bit-identical; qgemm_outer.c's outer-product tile replaced it for the default
+ * mode: 1.5-1.9x this kernel at 128 rows.) */
 int di_qgemm_panel(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N,
-                   int64_t K, float *y, int64_t ldy, int one_chain) {
+                   int64_t K, float *y, int64_t ldy) {
     const int be = di_q_block_elems(fmt);
     if (!be || K % be || di_q_cpu_level() < 1) return 1;
     const int64_t groups = (N + PJ - 1) / PJ;
@@ -121,8 +83,7 @@ int di_qgemm_panel(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int
             const int64_t n0 = g * PJ;
             const int nj = N - n0 < PJ ? (int)(N - n0) : PJ;
             for (int j = 0; j < nj; ++j) di_q_dequant_row(fmt, 1, w + (n0 + j) * row_bytes, K, buf + j * K);
-            if (one_chain) sweep1(nj, x, ldx, M, buf, K, y + n0, ldy);
-            else sweep(nj, x, ldx, M, buf, K, y + n0, ldy);
+            sweep(nj, x, ldx, M, buf, K, y + n0, ldy);
         }
         free(buf);
     }

@@ -105,6 +105,21 @@ def test_auto_on_a_hf_directory_stays_fp32(tiny_models):
 
 
 @needs_native
+def test_auto_on_a_gguf_keeps_its_blocks_and_runs_the_exact_mode(engines):
+    """dtype="auto" (the default) on CPU: a GGUF's blocks kept as stored, the exact mode, the same
+    tokens and logprobs as asking for quantized_exact, weights ~1x the file's bytes."""
+    eng = Engine(kv_cache_memory=64 << 20)
+    assert eng.precision == "quantized-exact"
+    assert eng.stats.weight_bytes <= 1.2 * eng.stats.checkpoint_bytes
+    sp = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    engines["quantized_exact"].reset_prefix_cache()  # the same work on both (no prefix hits from earlier tests)
+    a, b = eng.generate(PROMPTS[:3], sp), engines["quantized_exact"].generate(PROMPTS[:3], sp)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert [(t.logprob, t.top) for t in x.logprobs] == [(t.logprob, t.top) for t in y.logprobs]
+
+
+@needs_native
 def test_install_quantized_on_a_tiny_model(tiny_models):
     """Projections whose parts all pack become placeholders backed by blocks; the rest stay fp32."""
     import torch

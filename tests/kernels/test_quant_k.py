@@ -135,18 +135,3 @@ def test_kquant_shape_errors():
     with pytest.raises(KernelInputError, match="contiguous uint8"):
         quant.QuantWeight(torch.zeros(1, 144, dtype=torch.uint8), quant.Q6_K, 1, 256)
     assert quant.QuantWeight(torch.zeros(2, 420, dtype=torch.uint8), quant.Q6_K, 2, 512).format_name == "Q6_K"
-
-
-@pytest.mark.parametrize("fmt", [quant.Q4_1, quant.Q4_K, quant.Q6_K])
-def test_one_chain_panel_matches_reference_and_is_batch_invariant(fmt):
-    if 1 not in LEVELS:
-        pytest.skip("the panel kernel is AVX2-only")
-    gen = torch.Generator().manual_seed(fmt + 1)
-    qw = quant.pack(torch.randn(31, 512, generator=gen), fmt)
-    x = torch.randn(23, 512, generator=gen)
-    full = quant.qlinear(x, qw, mode="exact", panel=True, one_chain=True)
-    ref = x.double() @ quant.dequantize_reference(qw).double().T
-    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-4)
-    for m in (1, 2, 3, 5, 8, 22):
-        assert torch.equal(quant.qlinear(x[:m], qw, mode="exact", panel=True, one_chain=True), full[:m]), m
-    assert torch.equal(quant.qlinear(x[9:10], qw, mode="exact", panel=True, one_chain=True), full[9:10])

@@ -1,6 +1,13 @@
 """Compiled (default) and interpreted (compile=False) runs give identical states, greedy and seeded,
 on every example program and every program of test_programs.py: on the FakeEngine (fast) and on the
-default model (slow)."""
+default model (slow).
+
+The default model runs here with batch_invariant=True. The compiler batches differently from the
+interpreter (shared prefixes prefilled once, gens submitted together), and in the default mode a row's
+logits may differ in the last bits with the shape of the step it runs in (the quantised projections
+switch kernels at 16 rows, as oneDNN switches algorithms with M): a greedy pick between two near-equal
+tokens can then flip. Identical states are a property of the compiler only where the engine's numbers
+do not depend on the batching, which is what the batch-invariant mode guarantees."""
 
 import importlib.util
 import os
@@ -83,11 +90,18 @@ def test_compiled_equals_interpreted_fake_engine(name, func, batch, mode):
     assert any(text for text, _, _ in snap)
 
 
+@pytest.fixture(scope="module")
+def invariant_engine():
+    from deepinfer import Engine
+
+    return Engine(batch_invariant=True, kv_cache_memory=256 << 20)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name, func, batch", CASES, ids=[c[0] for c in CASES])
-def test_compiled_equals_interpreted_default_model(engine, name, func, batch, mode):
-    if hasattr(engine, "reset_prefix_cache"):
-        engine.reset_prefix_cache()
+def test_compiled_equals_interpreted_default_model(invariant_engine, name, func, batch, mode):
+    engine = invariant_engine
+    engine.reset_prefix_cache()
     snap = _compare(func, batch, lambda: engine, MODES[mode])
     assert any(err is None for _, _, err in snap)
