@@ -204,7 +204,7 @@ def test_config_errors(llama):
 
 def test_jump_forward_is_verified_and_changes_no_output(llama):
     """Forced grammar text arrives as drafts: outputs equal those with jump-forward off, in fewer steps."""
-    on = Engine(llama, kv_cache_memory=8 << 20, block_size=4)  # jump_forward=True is the default
+    on = Engine(llama, kv_cache_memory=8 << 20, block_size=4, jump_forward=True)
     off = Engine(llama, kv_cache_memory=8 << 20, block_size=4, jump_forward=False)
     prompts = random_prompts(6, seed=14)
     schema = {"type": "object", "properties": {"alpha_key": {"type": "string", "maxLength": 8},
@@ -225,8 +225,8 @@ def test_jump_forward_is_verified_and_changes_no_output(llama):
 
 
 def test_overlap_mode_gives_the_same_constrained_outputs(llama):
-    sync = Engine(llama, kv_cache_memory=8 << 20, block_size=4)
-    over = Engine(llama, kv_cache_memory=8 << 20, block_size=4, overlap_schedule=True)
+    sync = Engine(llama, kv_cache_memory=8 << 20, block_size=4, jump_forward=True)
+    over = Engine(llama, kv_cache_memory=8 << 20, block_size=4, overlap_schedule=True, jump_forward=True)
     prompts = random_prompts(6, seed=15)
     sp = SamplingParams(temperature=0, max_tokens=60, json_schema={
         "type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
@@ -259,7 +259,7 @@ def test_budgeted_engine_learns_and_stays_exact(llama):
 
 @pytest.mark.parametrize("where", ["fill_bitmask", "accept_token", "find_jump_forward_string"])
 def test_a_failing_grammar_fails_only_its_request(llama, where):
-    eng = Engine(llama, kv_cache_memory=8 << 20, block_size=4)
+    eng = Engine(llama, kv_cache_memory=8 << 20, block_size=4, jump_forward=True)
     prompts = random_prompts(2, seed=17)
     sp = SamplingParams(temperature=0, max_tokens=20, regex=r"[a-z ]{1,40}")
     alone = eng.generate([prompts[1]], sp)[0]
