@@ -153,7 +153,7 @@ def time_split(wall: float, d: dict) -> str:
 
 def extraction(args) -> None:
     """The extraction job: ours (jump-forward on / off) vs vLLM CPU bf16, side by side."""
-    arms_ours = {"ours jf on": Engine(kv_cache_memory=1 << 30),
+    arms_ours = {"ours jf on": Engine(kv_cache_memory=1 << 30, jump_forward=True),
                  "ours jf off": Engine(kv_cache_memory=1 << 30, jump_forward=False)}
     first = next(iter(arms_ours.values()))
     prompts = extraction_prompts(first, args.records)
@@ -208,7 +208,7 @@ def extraction(args) -> None:
 
 
 def constrained_vs_free(args) -> Engine:
-    engine = Engine(kv_cache_memory=1 << 30)
+    engine = Engine(kv_cache_memory=1 << 30, jump_forward=True)
     no_jf = Engine(kv_cache_memory=1 << 30, jump_forward=False)
     prompts = chats(args.batch)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, json_schema=PERSON)
