@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from concurrent.futures import Future
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
@@ -37,6 +38,9 @@ class EngineBackend:
         self._params: dict[tuple, SamplingParams] = {}  # make_params cache
         self._compiles_lock = threading.Lock()
         self._held: set[int] = set()  # ids of precompile_after proxies whose compile has not started
+        # precompile_after passes whose constraints are not listed yet (a callable, run at their start):
+        # meanwhile a constrained request with no compile on record is held, as it may be one of them
+        self._deferred = 0
         self._gates: list[Future] = []  # resolved after the next engine step (precompile_after)
         # ids that end generation: the engine may add the model config's to the tokenizer's
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
@@ -106,14 +110,20 @@ class EngineBackend:
             futs = [self._compiles.get(constraint_key(p)) for p in params_list]
         return [f for f in futs if f is not None]
 
-    def precompile_after(self, after: list[Any], params_list: list[SamplingParams], wait_s: float = 0.5,
-                         in_flight: int = 2, after_step: bool = True) -> int:
+    def precompile_after(self, after: list[Any], params_list: list[SamplingParams] | Callable[[], list[SamplingParams]],
+                         wait_s: float = 0.5, in_flight: int = 2, after_step: bool = True) -> int:
         """`precompile` params_list once every future in `after` is done and (with `after_step`) the
         engine's next step has returned, `in_flight` at a time, each next one as one finishes: the
         first program's constraints compile first, alone, and its first step runs with no compile
         beside it. Meanwhile each counts as compiling, so the runtime holds its requests rather
         than let the engine compile it on the spot. If `after` is not done within `wait_s` seconds
-        (a slow first schema), they start then. Returns how many.
+        (a slow first schema), they start then. Returns how many (0 for a callable).
+
+        params_list may be a callable that lists them, called at that start: the compiler's trace of
+        every later program then runs after the first step, not before the first request (100
+        programs with distinct schemas: ~40 ms of tracing and spec building that delayed the batch's
+        first output). Until it has run, every constrained request with no compile on record counts
+        as compiling (held).
 
         Started together, 100 fresh schemas shared the CPU with the first one and the batch's first
         output came 2.8x later than interpreted (265 vs 95 ms, tiny model, where the interpreted
@@ -125,17 +135,27 @@ class EngineBackend:
         compile (23 ms quiet) overran it (its request went in at 505 ms) and the rest started beside
         the first step. `in_flight` is the engine's compile threads (GrammarCompiler's default 2)."""
         fn = getattr(self.engine, "precompile", None)
-        if fn is None or not params_list:
+        lazy = callable(params_list)
+        if fn is None or not (lazy or params_list):
             return 0
         pending = [f for f in after if not f.done()]
         gate = self._next_step_gate() if after_step else None
         queue: list[tuple[SamplingParams, Future]] = []
-        with self._compiles_lock:
-            for p in params_list:
-                proxy: Future = Future()
-                self._compiles[constraint_key(p)] = proxy
-                self._held.add(id(proxy))
-                queue.append((p, proxy))
+
+        def enqueue(params: list[SamplingParams], held: bool) -> None:
+            with self._compiles_lock:
+                for p in params:
+                    proxy: Future = Future()
+                    self._compiles[constraint_key(p)] = proxy
+                    if held:
+                        self._held.add(id(proxy))
+                    queue.append((p, proxy))
+
+        if lazy:
+            with self._compiles_lock:
+                self._deferred += 1
+        else:
+            enqueue(params_list, held=True)
         lock = threading.Lock()
         started = [False]
 
@@ -162,6 +182,15 @@ class EngineBackend:
                 if not force and (any(not f.done() for f in pending) or (gate is not None and not gate.done())):
                     return
                 started[0] = True
+            if lazy:
+                try:
+                    listed = params_list()
+                except Exception:  # a program's own error: its requests compile when they are submitted
+                    listed = []
+                with lock:
+                    enqueue(listed, held=False)
+                with self._compiles_lock:
+                    self._deferred -= 1
             with self._compiles_lock:
                 self._held.difference_update(id(proxy) for _, proxy in queue)
             for _ in range(max(1, in_flight)):
@@ -176,7 +205,7 @@ class EngineBackend:
             timer.daemon = True
             timer.start()
         start()
-        return len(params_list)
+        return 0 if lazy else len(params_list)
 
     def _next_step_gate(self) -> Future:
         """A future resolved when the engine's next step returns (or when nothing can step: see
@@ -194,15 +223,17 @@ class EngineBackend:
 
     def compiling(self, params: SamplingParams) -> bool:
         """True while a precompile of params' constraint is still running (its request would wait)."""
-        if not self._compiles or not params.constrained:
+        if not params.constrained or not (self._compiles or self._deferred):
             return False
         key = constraint_key(params)
         with self._compiles_lock:
             fut = self._compiles.get(key)
-            if fut is not None and fut.done():
+            if fut is None:
+                return self._deferred > 0  # a deferred pass may list it: hold it till then
+            if fut.done():
                 del self._compiles[key]
-                fut = None
-        return fut is not None
+                return False
+        return True
 
     def wait_compiles(self, timeout: float, params_list: list[SamplingParams]) -> None:
         """Block until the precompile of one of params_list's constraints (the held requests')
@@ -212,13 +243,18 @@ class EngineBackend:
 
         with self._compiles_lock:
             futs = [self._compiles.get(constraint_key(p)) for p in params_list]
-            if any(f is None or f.done() for f in futs):
+            if any(f.done() if f is not None else not self._deferred for f in futs):
                 return  # one is ready to submit
-            stalled = bool(self._gates) and all(id(f) in self._held for f in futs)
+            # held for an engine step: behind a gate, or not listed yet by a deferred pass
+            stalled = bool(self._gates) and all(f is None or id(f) in self._held for f in futs)
         if stalled:
             self._open_gates()
             return
-        wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)  # (held ones wait out their wait_s timer)
+        running = [f for f in futs if f is not None]
+        if running:
+            wait(running, timeout=timeout, return_when=FIRST_COMPLETED)  # (held ones wait out their wait_s timer)
+        else:
+            time.sleep(timeout)  # only requests a deferred pass may list: it starts on its wait_s timer
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> str:
         """Submit one request with a fresh id; raises the engine's InvalidRequestError/GrammarError."""

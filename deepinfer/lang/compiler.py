@@ -314,8 +314,9 @@ def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[st
 
     Starts the compile of every distinct constraint of every program through
     `backend.precompile`: from the first trace, plus one plain trace per further program when
-    a constrained gen depends on a varying argument. Never raises for a program's own errors:
-    those surface in that program's state when it runs, exactly as interpreted.
+    a constrained gen depends on a varying argument (with `precompile_after`, those traces run
+    after the engine's first step). Never raises for a program's own errors: those surface in
+    that program's state when it runs, exactly as interpreted.
     """
     args, kwargs = jobs[0]
     if len(jobs) == 1:  # one program: nothing varies, so no argument analysis (one trace, not 1 + 2 x args)
@@ -351,13 +352,19 @@ def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[st
         last, _, _ = _run_once(func, *jobs[-1])
         plan.probes = [plan.prefix, first_prompt(graph.nodes), first_prompt(last)]
     if any(n.kind == "gen" and n.args & varying for n in graph.nodes):
-        later: list[SamplingParams] = []
-        for a, k in jobs[1:]:
-            nodes, _, _ = _run_once(func, a, k)
-            later += new(constraint_params(nodes, defaults, checked=False))
+        rest = jobs[1:]
+
+        def later() -> list[SamplingParams]:
+            """One plain trace per later program: run after the first step where the backend defers it."""
+            out: list[SamplingParams] = []
+            for a, k in rest:
+                nodes, _, _ = _run_once(func, a, k)
+                out += new(constraint_params(nodes, defaults, checked=False))
+            return out
+
         after = getattr(backend, "precompile_after", None)
         if after is not None:
             plan.compiles += after(backend.compile_futures(first), later)
         else:
-            plan.compiles += sum(bool(backend.precompile(p)) for p in later)
+            plan.compiles += sum(bool(backend.precompile(p)) for p in later())
     return plan

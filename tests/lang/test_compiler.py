@@ -445,6 +445,34 @@ def test_the_later_compiles_wait_for_the_first_programs_step():
     assert eng.at[0] == 0 and all(n >= 1 for n in eng.at[1:]), eng.at
 
 
+def test_the_later_programs_are_traced_after_the_first_step():
+    """The compiler's plain trace of each later program (to list its constraint) runs after the
+    engine's first step, not between the run_batch call and the first request."""
+    from deepinfer.lang.trace import TraceState
+
+    eng = _SteppedCompileEngine(delay=0.01)
+    traced_at: list[tuple[int, int]] = []
+
+    @di.function
+    def typed(s, schema, i):
+        if isinstance(s, TraceState):
+            traced_at.append((i, eng.steps))
+        s += f"Record {i}: " + di.gen("obj", json_schema=schema, max_tokens=32)
+
+    schemas = [{"type": "object", "properties": {f"t{k}": {"type": "integer"}}, "required": [f"t{k}"]}
+               for k in range(5)]
+    states = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=eng, temperature=0.0)
+    assert all(st.ok for st in states), [st.error() for st in states]
+    # (the first program's trace, its argument variants (i = 1 among them) and the last program's
+    # first prompt, for the shared prefix, come before: the graph needs them)
+    later = [n for i, n in traced_at if 2 <= i <= 3]
+    assert len(later) == 2 and all(n >= 1 for n in later), traced_at
+    assert [c[0] for c in eng.calls] == schemas and eng.at[0] == 0 and all(n >= 1 for n in eng.at[1:])
+    again = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=FakeEngine(),
+                            temperature=0.0, compile=False)
+    assert [st.text() for st in again] == [st.text() for st in states]
+
+
 def test_held_compiles_start_when_the_first_program_never_steps():
     """The first program fails before its request reaches the engine: nothing steps, so the held
     compiles start anyway and the other programs finish (no hang)."""
