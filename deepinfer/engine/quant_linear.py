@@ -9,8 +9,8 @@ placeholders are one NaN each, expanded: anything that reads one as a weight get
 wrong number. A tied embedding matrix stays quantised too; its lookups dequantise the rows asked for.
 
 Small M (decode) runs the native row kernel, reading the weights as blocks (98 MB for SmolLM2-135M
-Q4_1 instead of 540 MB of fp32); in the exact mode through one `quant.RowKernel` per weight (arguments
-bound once, same bits). Many rows in the exact mode run the panel kernel
+Q4_1 instead of 540 MB of fp32), through one `quant.RowKernel` per weight (arguments bound once,
+same bits; in the int8 mode it quantises the activations too). Many rows in the exact mode run the panel kernel
 (csrc/qgemm_panel.c: three weight rows dequantised into L1 at a time, a 2 x 3 register tile over
 all rows), bit-identical to the row kernel, so the batch-invariant mode uses it too. The int8 mode
 switches to that exact panel kernel from LARGE_M rows (not in the batch-invariant mode, whose int8
@@ -52,8 +52,8 @@ class QuantLinear:
         # many rows outside the invariant mode: "dequant" (the matrix dequantised for the call, then
         # oneDNN), "panel" or "panel1" (the one-chain tile); from large_m rows
         self.large, self.large_m = LARGE_PATH, LARGE_M
-        # the exact mode's decode calls, arguments bound once per weight (same kernel, same bits)
-        self.rows = {p: quant.RowKernel(q) for p, q in table.items()} if mode == "exact" else {}
+        # the decode calls (below PANEL_M rows), arguments bound once per weight (same kernel, same bits)
+        self.rows = {p: quant.RowKernel(q, mode) for p, q in table.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         key = w.data_ptr()
