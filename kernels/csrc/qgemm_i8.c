@@ -16,11 +16,14 @@
  * transpose-add of unpacks), and the rows' scales, gathered into one vector, multiply all 8 at
  * once: one fp32 FMA per block for 8 outputs where the old tile did one per output, plus a
  * broadcast scale and a scalar f16 conversion each. Measured against the old tile (4 rows of x by
- * one weight row, 8 fp32 lanes per output), 1 thread, one row of x, a simulated SmolLM2-135M decode
- * step (30 layers' Q4_1 projections + the Q8_0 lm_head, weights from DRAM), paired over 7 repeats:
- * qkv 960x576 1.60x, o 576x576 1.57x, gate_up 3072x576 1.80x, down 576x1536 1.18x (1.63x with the
- * prefetch 2 groups ahead rather than 4 KB), lm_head 49152x576 1.14x (then at 14.7 GB/s, near this
- * core's 16 GB/s read bandwidth); at 4 and 12 rows of x 1.18x and 1.62x for the whole step.
+ * one weight row, 8 fp32 lanes per output), one row of x, a simulated SmolLM2-135M decode step (30
+ * layers' Q4_1 projections + the Q8_0 lm_head, weights from DRAM), both kernels in one process,
+ * alternating, best of 9, quiet host: 1 thread qkv 960x576 1.72x, o 576x576 1.67x, gate_up
+ * 3072x576 1.84x, down 576x1536 1.60x, lm_head 49152x576 1.31x, the step's projections 11.1 -> 6.7
+ * ms; 2 threads 1.58x, 1.52x, 1.67x, 1.58x, 1.23x, 6.3 -> 4.1 ms (the lm_head then at 29 GB/s, about
+ * the host's read bandwidth). The prefetch distance (1-4 groups, 4 or 8 KB) changed little except
+ * for down (K = 1536, a group is 7.7 KB): 4 KB ahead was 1.2-1.5x slower than 8 KB or 2 groups (1
+ * thread, loaded host).
  */
 #include <immintrin.h>
 #include <math.h>
