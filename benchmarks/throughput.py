@@ -13,7 +13,11 @@ vLLM's start-up and one warm-up call are outside the timing (its workers stay lo
 
     python benchmarks/throughput.py [--batches 1 8 32 128] [--new-tokens 64] [--repeats 2] [--no-hf]
         [--precisions float32 auto quantized_exact] [--peers DIR] [--vllm-dtypes bfloat16 float32]
-        [--no-llamacpp]
+        [--no-llamacpp] [--llamacpp-threads N]
+
+llama.cpp gets an explicit thread count (default: every core, like our engine's OpenMP/torch threads),
+for both its decode and its prompt batches: llama-cpp-python's own default is half the cores for
+decode, which on a 2-core machine compares one llama.cpp thread against two of ours.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ def hf_generate(hf, tokenizer, prompts, new_tokens):
 PEER_SCRIPT = r"""
 import json, sys, time
 from llama_cpp import Llama
-gguf, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = Llama(model_path=gguf, n_ctx=512, n_batch=512, verbose=False, seed=0)
+gguf, prompts, n, threads = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=gguf, n_ctx=512, n_batch=512, verbose=False, seed=0, n_threads=threads,
+            n_threads_batch=threads)
 llm("warm up", max_tokens=2, temperature=0)
 t = time.perf_counter()
 for p in prompts:  # llama-cpp-python serves one sequence at a time; EOS banned so every run is n tokens
@@ -74,11 +79,11 @@ def llamacpp_peer(peers_dir: str | None):
     return py, ""
 
 
-def run_llamacpp(py: str, gguf: str, prompts: list[str], n: int) -> float:
+def run_llamacpp(py: str, gguf: str, prompts: list[str], n: int, threads: int) -> float:
     import json
     import subprocess
 
-    r = subprocess.run([py, "-c", PEER_SCRIPT, gguf, json.dumps(prompts), str(n)], capture_output=True, text=True,
+    r = subprocess.run([py, "-c", PEER_SCRIPT, gguf, json.dumps(prompts), str(n), str(threads)], capture_output=True, text=True,
                        check=True)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return out["tokens"] / out["seconds"]
@@ -92,7 +97,7 @@ def vllm_rate(peer, ids: list[list[int]], n: int) -> float:
     return len(ids) * n / r.seconds
 
 
-def batch_arms(engines, hf, tok, peer_py, vllm, prompts, ids, n, sp) -> list:
+def batch_arms(engines, hf, tok, peer_py, vllm, prompts, ids, n, sp, llamacpp_threads: int) -> list:
     """(name, run) per system measured at one batch; run() returns output tokens/s."""
     b = len(prompts)
 
@@ -110,7 +115,7 @@ def batch_arms(engines, hf, tok, peer_py, vllm, prompts, ids, n, sp) -> list:
         arms.append(("hf", hf_run))
     if peer_py:
         model = next(iter(engines.values())).model_source
-        arms.append(("llama.cpp", lambda: run_llamacpp(peer_py, model, prompts, n)))
+        arms.append(("llama.cpp", lambda: run_llamacpp(peer_py, model, prompts, n, llamacpp_threads)))
     for d, v in vllm.items():
         arms.append(("vllm " + d, lambda v=v: vllm_rate(v, ids, n)))
     return arms
@@ -121,7 +126,7 @@ def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[in
     ours (the last precision) per batch and the best HF figure."""
     n = args.new_tokens
     engine = engines[args.precisions[-1]]
-    print(f"threads={torch.get_num_threads()}  new_tokens={n}  best of {args.repeats}  model={os.path.basename(engine.model_source)}")
+    print(f"threads={torch.get_num_threads()}  llama.cpp n_threads={args.llamacpp_threads if peer_py else '-'}  new_tokens={n}  best of {args.repeats}  model={os.path.basename(engine.model_source)}")
     for p, e in engines.items():
         print(f"  dtype={p!r}: precision {e.precision}, resident weights {e.stats.weight_bytes / 1e6:.1f} MB "
               f"= {e.stats.weight_bytes / max(e.stats.checkpoint_bytes, 1):.2f}x the checkpoint's {e.stats.checkpoint_bytes / 1e6:.1f} MB")
@@ -136,7 +141,7 @@ def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[in
     for b in args.batches:
         prompts = make_prompts(b, seed=b)
         ids = [engine.encode_prompt(p) for p in prompts]  # ours and vLLM get the same token ids
-        arms = batch_arms(engines, hf, tok, peer_py, vllm, prompts, ids, n, sp)
+        arms = batch_arms(engines, hf, tok, peer_py, vllm, prompts, ids, n, sp, args.llamacpp_threads)
         runs = {name: [] for name, _ in arms}
         for rep in range(args.repeats):
             for name, fn in (arms if rep % 2 == 0 else arms[::-1]):  # neither side always runs first
@@ -175,6 +180,8 @@ def main() -> None:
     ap.add_argument("--vllm-dtypes", nargs="*", default=["bfloat16", "float32"],
                     help="vLLM CPU workers to run (none: skip vLLM); ratios are taken against the first")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1,
+                    help="llama.cpp's n_threads and n_threads_batch (default: all cores, os.cpu_count())")
     args = ap.parse_args()
     n = args.new_tokens
 
@@ -184,7 +191,7 @@ def main() -> None:
     if not args.no_hf:
         hf, tok = hf_reference_model()
     peer_py, why = llamacpp_peer(args.peers) if not args.no_llamacpp else (None, "--no-llamacpp")
-    print(f"llama.cpp peer: {'found at ' + peer_py if peer_py else 'skipped: ' + why}")
+    print(f"llama.cpp peer: {f'found at {peer_py}, n_threads={args.llamacpp_threads}' if peer_py else 'skipped: ' + why}")
     vllm, why = start_vllm(args.peers, args.vllm_dtypes) if args.vllm_dtypes else ({}, "--vllm-dtypes empty")
     print(f"vLLM CPU peer: {'running ' + ', '.join(vllm) + ' (enforce_eager)' if vllm else 'skipped: ' + why}")
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -60,6 +60,8 @@ def _lib():
         lib.di_qgemm_panel.restype = i32
         lib.di_qgemm_exact_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
         lib.di_qgemm_exact_bound.restype = i32
+        lib.di_qgemm_int8_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
+        lib.di_qgemm_int8_bound.restype = i32
         _configured = True
     return lib
 
@@ -143,11 +145,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, m
         if not rc:
             pass
         elif mode == "int8":
-            nb = w.k // QK
-            qx = torch.empty(m, w.k, dtype=torch.int8)
-            xs = torch.empty(m, nb, dtype=torch.float32)
-            xsum = torch.empty(m, nb, dtype=torch.float32)
-            lib.di_q8_quantize_rows(x.data_ptr(), x.stride(0), m, w.k, qx.data_ptr(), xs.data_ptr(), xsum.data_ptr())
+            qx, xs, xsum = quantize_activations(x)
             rc = lib.di_qgemm(1, level, None, 0, qx.data_ptr(), xs.data_ptr(), xsum.data_ptr(), m, w.data.data_ptr(),
                               rb, w.fmt, w.n, w.k, out.data_ptr(), out.stride(0))
         else:
@@ -162,23 +160,45 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, m
     return out
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 mode's activations for x [M, K] fp32 (K a multiple of 32): per 32-block b of row r,
+    scale s = max|x| / 127, q = round-half-even(x * (1 / s)) as int8 [M, K], scale [M, K / 32] and
+    s * sum(q) [M, K / 32] (Q4_1's min term)."""
+    if x.dim() != 2 or x.shape[1] % QK or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise KernelInputError(f"quantize_activations: x must be float32 CPU [M, K] with K a multiple of {QK}, "
+                               f"got {x.dtype} {tuple(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m, k = x.shape
+    qx = torch.empty(m, k, dtype=torch.int8)
+    xs = torch.empty(m, k // QK, dtype=torch.float32)
+    xsum = torch.empty(m, k // QK, dtype=torch.float32)
+    if m:
+        _lib().di_q8_quantize_rows(x.data_ptr(), x.stride(0), m, k, qx.data_ptr(), xs.data_ptr(), xsum.data_ptr())
+    return qx, xs, xsum
+
+
 class RowKernel:
-    """x [M, K] -> x @ W.T for one weight in the exact mode below PANEL_M rows (decode), the kernel's
-    arguments bound once (csrc/qgemm.c's di_qgemm_exact_bound): a batch-1 step makes ~120 of these
-    calls, and qlinear's checks plus ctypes' conversion of 15 arguments cost more than the kernel on
-    the small projections. Same kernel, same bits as `qlinear(x, w, mode="exact")`. Other inputs (not
+    """x [M, K] -> x @ W.T for one weight below PANEL_M rows (decode), in the exact or the int8 mode,
+    the kernel's arguments bound once (csrc/qgemm.c's di_qgemm_exact_bound / di_qgemm_int8_bound, the
+    latter quantising x itself): a batch-1 step makes ~120 of these calls, and qlinear's checks, its
+    three scratch tensors and ctypes' conversion of 15 arguments cost more than the kernel on the
+    small projections. Same kernels, same bits as `qlinear(x, w, mode=mode)`. Other inputs (not
     dense float32 CPU, PANEL_M+ rows) go through `qlinear`."""
 
-    def __init__(self, w: QuantWeight):
+    def __init__(self, w: QuantWeight, mode: str = "exact"):
+        if mode not in MODES:
+            raise KernelInputError(f"RowKernel: mode must be one of {MODES}, got {mode!r}")
         self.w = w
-        self._call = _lib().di_qgemm_exact_bound
+        self.mode = mode
+        lib = _lib()
+        self._call = lib.di_qgemm_exact_bound if mode == "exact" else lib.di_qgemm_int8_bound
         # W's address is bound here: w.data must not be replaced (QuantWeight is frozen)
         self._wargs = (ctypes.c_int64 * 5)(w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu or not x.is_contiguous() or not 0 < x.shape[0] < PANEL_M:
-            return qlinear(x, w, mode="exact")
+            return qlinear(x, w, mode=self.mode)
         if x.shape[1] != w.k:
             raise KernelInputError(f"qlinear: x must be float32 CPU [M, {w.k}], got {x.dtype} {tuple(x.shape)}")
         m = x.shape[0]

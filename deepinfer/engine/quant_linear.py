@@ -9,12 +9,13 @@ placeholders are one NaN each, expanded: anything that reads one as a weight get
 wrong number. A tied embedding matrix stays quantised too; its lookups dequantise the rows asked for.
 
 Small M (decode) runs the native row kernel, reading the weights as blocks (98 MB for SmolLM2-135M
-Q4_1 instead of 540 MB of fp32); in the exact mode through one `quant.RowKernel` per weight (arguments
-bound once, same bits). From OUTER_M rows both modes run csrc/qgemm_outer.c (16 weight rows
-dequantised into a transposed panel, a 6 x 16 outer-product tile): one fixed order per output, not
-the row kernel's. The batch-invariant mode instead runs the panel kernel there (csrc/qgemm_panel.c:
-bit-identical to the row kernel, so a row's bits never depend on M; its int8 rows stay int8).
-Without AVX2 many rows dequantise the matrix for the call and run oneDNN, as before.
+Q4_1 instead of 540 MB of fp32), through one `quant.RowKernel` per weight (arguments bound once,
+same bits; in the int8 mode it quantises the activations too). From OUTER_M rows both modes run
+csrc/qgemm_outer.c (16 weight rows dequantised into a transposed panel, a 6 x 16 outer-product
+tile): one fixed order per output, not the row kernel's. The batch-invariant mode instead runs the
+panel kernel there (csrc/qgemm_panel.c: bit-identical to the row kernel, so a row's bits never
+depend on M; its int8 rows stay int8). Without AVX2 many rows dequantise the matrix for the call
+and run oneDNN, as before.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class QuantLinear:
         self.mode = mode
         self.invariant = invariant
         self.avx2 = quant.cpu_level() >= 1  # the panel and outer-product kernels are AVX2-only
-        # the exact mode's decode calls, arguments bound once per weight (same kernel, same bits)
-        self.rows = {p: quant.RowKernel(q) for p, q in table.items()} if mode == "exact" else {}
+        # the decode calls (below PANEL_M rows), arguments bound once per weight (same kernel, same bits)
+        self.rows = {p: quant.RowKernel(q, mode) for p, q in table.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         key = w.data_ptr()

@@ -1,5 +1,7 @@
 /* y = x @ W.T in fp32 for W kept as GGUF stores it: blocks of 32 values along K (ggml's Q4_0,
- * Q4_1, Q8_0), each block dequantised in registers, never written out as fp32.
+ * Q4_1, Q8_0), each block dequantised in registers, never written out as fp32. This file: the
+ * driver (di_qgemm, threads over chunks of weight rows), the exact mode's row kernels, the
+ * dequantisers; the int8 mode's kernel and activation quantiser are in qgemm_i8.c.
  *
  * Block layouts (ggml): Q4_0 {fp16 d; u8 qs[16]} 18 bytes, w = (q - 8) d; Q4_1 {fp16 d, m;
  * u8 qs[16]} 20 bytes, w = q d + m; Q8_0 {fp16 d; i8 qs[32]} 34 bytes, w = q d. In the 4-bit
@@ -10,14 +12,15 @@
  *  - exact (DI_Q_EXACT): each block's 32 weights dequantised to fp32 in registers and multiplied
  *    into fp32 activations; equals dequantise-then-fp32 up to the summation order.
  *  - int8 (DI_Q_INT8): the activations quantised per 32-block to int8 (scale max|x| / 127, one per
- *    block, by di_q8_quantize_rows), integer dot products per block (AVX2 maddubs/madd), scaled
- *    and summed in fp32, as llama.cpp does.
+ *    block, by di_q8_quantize_rows), exact integer dot products per block (AVX2 maddubs/madd),
+ *    scaled and summed in fp32, as llama.cpp does (qgemm_i8.c).
  * Instruction set chosen at run time: AVX2 + FMA + F16C where the CPU has them (checked with
  * __builtin_cpu_supports), else portable scalar C; `level` 0 forces the scalar code (tests).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qgemm.h"
@@ -119,28 +122,6 @@ int di_q_dequant_rows(const uint8_t *w, int64_t row_bytes, int fmt, int64_t K, c
     return 0;
 }
 
-/* ---- activations as int8 blocks: qx = round(x / s), s = max|x| / 127 per 32-block -------------- */
-int di_q8_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *scale, float *bsum) {
-    if (K % QK) return 1;
-    const int64_t nb = K / QK;
-    for (int64_t r = 0; r < M; ++r)
-        for (int64_t b = 0; b < nb; ++b) {
-            const float *xb = x + r * ldx + b * QK;
-            float amax = 0.f;
-            for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
-            const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-            int sum = 0;
-            int8_t *q = qx + r * K + b * QK;
-            for (int j = 0; j < QK; ++j) {
-                q[j] = (int8_t)lrintf(xb[j] * inv);
-                sum += q[j];
-            }
-            scale[r * nb + b] = s;
-            bsum[r * nb + b] = s * (float)sum; /* Q4_1's m term: m * sum_j x_j ~ m * s * sum_j q_j */
-        }
-    return 0;
-}
-
 /* ---- scalar kernels ------------------------------------------------------------------------------ */
 static void rows_exact_scalar(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
                               float *y, int64_t ldy) {
@@ -160,41 +141,9 @@ static void rows_exact_scalar(int fmt, const uint8_t *wrow, int64_t nb, const fl
     }
 }
 
-static void rows_int8_scalar(int fmt, const uint8_t *wrow, int64_t nb, const int8_t *qx, const float *xs,
-                             const float *xsum, int64_t K, int mr, float *y, int64_t ldy) {
-    const int bb = block_bytes(fmt);
-    for (int r = 0; r < mr; ++r) {
-        float acc = 0.f, macc = 0.f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = wrow + b * bb;
-            const int8_t *q = qx + r * K + b * QK;
-            const float d = half_to_float(rd16(blk));
-            int dot = 0;
-            if (fmt == FMT_Q8_0) {
-                const int8_t *wq = (const int8_t *)(blk + 2);
-                for (int j = 0; j < QK; ++j) dot += wq[j] * q[j];
-            } else {
-                const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
-                const int off = fmt == FMT_Q4_0 ? 8 : 0;
-                for (int j = 0; j < 16; ++j) dot += ((qs[j] & 0xf) - off) * q[j] + ((qs[j] >> 4) - off) * q[j + 16];
-            }
-            acc += (float)dot * (d * xs[r * nb + b]);
-            if (fmt == FMT_Q4_1) macc += half_to_float(rd16(blk + 2)) * xsum[r * nb + b];
-        }
-        y[r * ldy] = acc + macc;
-    }
-}
-
 /* ---- AVX2 kernels -------------------------------------------------------------------------------- */
 
 AVX2 static inline float f16(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
-
-/* the 32 quants of a 4-bit block as bytes in element order (0..15 low nibbles, 16..31 high) */
-AVX2 static inline __m256i nibbles(const uint8_t *qs) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i m = _mm_set1_epi8(0xf);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-}
 
 /* one block as four fp32 vectors (elements 0-7, 8-15, 16-23, 24-31) */
 AVX2 static inline void dequant_block_avx2(int fmt, const uint8_t *b, __m256 w[4]) {
@@ -244,35 +193,6 @@ AVX2 static inline __attribute__((always_inline)) void rows_exact_avx2(int fmt, 
     for (int r = 0; r < mr; ++r) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 }
 
-AVX2 static inline __attribute__((always_inline)) void rows_int8_avx2(int fmt, const uint8_t *wrow, int64_t nb, const int8_t *qx, const float *xs,
-                                const float *xsum, int64_t K, int mr, float *y, int64_t ldy) {
-    const int bb = block_bytes(fmt);
-    __m256 acc[MR];
-    float macc[MR] = {0};
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = wrow + b * bb;
-        const float d = f16(blk);
-        __m256i w;
-        if (fmt == FMT_Q8_0)
-            w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        else if (fmt == FMT_Q4_0)
-            w = _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8));
-        else
-            w = nibbles(blk + 4);
-        const float m = fmt == FMT_Q4_1 ? f16(blk + 2) : 0.f;
-        for (int r = 0; r < mr; ++r) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qx + r * K + b * QK));
-            /* Q4_1's quants are 0..15: already unsigned */
-            const __m256i s = fmt == FMT_Q4_1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1))
-                                               : dot_i8(w, q);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xs[r * nb + b]), acc[r]);
-            if (fmt == FMT_Q4_1) macc[r] += m * xsum[r * nb + b];
-        }
-    }
-    for (int r = 0; r < mr; ++r) y[r * ldy] = hsum8(acc[r]) + macc[r];
-}
-
 /* the row count as a compile-time constant, so the tile's accumulators live in registers (with a
  * run-time count GCC kept them on the stack: 3-4x slower at 32+ rows). Same arithmetic per row
  * whatever the tile size, so still batch-invariant. The format is made constant the same way. */
@@ -289,29 +209,6 @@ AVX2 static void exact_avx2_fmt(int fmt, const uint8_t *wrow, int64_t nb, const 
 AVX2 static void exact_avx2_tile(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
                                  float *y, int64_t ldy) {
     exact_avx2_fmt(fmt, wrow, nb, x, ldx, mr, y, ldy);
-}
-
-AVX2 static void int8_avx2_tile(int fmt, const uint8_t *wrow, int64_t nb, const int8_t *qx, const float *xs,
-                                const float *xsum, int64_t K, int mr, float *y, int64_t ldy) {
-#define I8(R) rows_int8_avx2(F, wrow, nb, qx, xs, xsum, K, R, y, ldy)
-    switch (fmt) {
-    case FMT_Q4_0: {
-        enum { F = FMT_Q4_0 };
-        TILE_CASES(I8)
-        break;
-    }
-    case FMT_Q4_1: {
-        enum { F = FMT_Q4_1 };
-        TILE_CASES(I8)
-        break;
-    }
-    default: {
-        enum { F = FMT_Q8_0 };
-        TILE_CASES(I8)
-        break;
-    }
-    }
-#undef I8
 }
 
 /* ---- one row of x (batch-1 decode): NR weight rows side by side ---------------------------------
@@ -367,12 +264,16 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
 #pragma omp parallel for schedule(static) if (chunks > 1 && M * N * K >= 32768)
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
+        if (mode == DI_Q_INT8 && be == QK) { /* qgemm_i8.c */
+            di_qi8_chunk(fmt, avx2, w, row_bytes, c * NC, n1, qx, xs, xsum, M, K, y, ldy);
+            continue;
+        }
         for (int64_t r0 = 0; r0 < M; r0 += MR) {
             const int mr = M - r0 < MR ? (int)(M - r0) : MR;
             int64_t n = c * NC;
             /* one row of x, 4-bit formats: NR weight rows at a time, then the rest one by one. Not Q8_0:
              * there NR = 4 took 2x longer on the 49152 x 576 lm_head (same time at 3072 x 576) */
-            if (mr == 1 && avx2 && mode == DI_Q_EXACT && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1))
+            if (mr == 1 && avx2 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1))
                 for (; n + NR <= n1; n += NR) nrows_exact(fmt, w + n * row_bytes, row_bytes, nb, x + r0 * ldx, y + r0 * ldy + n);
             for (; n < n1; ++n) {
                 const uint8_t *wrow = w + n * row_bytes;
@@ -380,12 +281,10 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
                 if (be == QK_K) {
                     di_qk_tile(mode, avx2, fmt, wrow, K, x ? x + r0 * ldx : 0, ldx, qx ? qx + r0 * K : 0,
                                xs ? xs + r0 * nb : 0, xsum ? xsum + r0 * nb : 0, mr, yr, ldy);
-                } else if (mode == DI_Q_EXACT) {
-                    if (avx2) exact_avx2_tile(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
-                    else rows_exact_scalar(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
+                } else if (avx2) {
+                    exact_avx2_tile(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
                 } else {
-                    if (avx2) int8_avx2_tile(fmt, wrow, nb, qx + r0 * K, xs + r0 * nb, xsum + r0 * nb, K, mr, yr, ldy);
-                    else rows_int8_scalar(fmt, wrow, nb, qx + r0 * K, xs + r0 * nb, xsum + r0 * nb, K, mr, yr, ldy);
+                    rows_exact_scalar(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
                 }
             }
         }
@@ -400,4 +299,21 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
 int di_qgemm_exact_bound(const int64_t *wargs, const float *x, int64_t M, float *y) {
     return di_qgemm(DI_Q_EXACT, 1, x, wargs[4], 0, 0, 0, M, (const uint8_t *)(intptr_t)wargs[0], wargs[1], (int)wargs[2],
                     wargs[3], wargs[4], y, wargs[3]);
+}
+
+/* the same for the int8 mode: x quantised here (di_q8_quantize_rows into a scratch buffer), then
+ * di_qgemm; 1 when refused (format, K) or out of memory */
+int di_qgemm_int8_bound(const int64_t *wargs, const float *x, int64_t M, float *y) {
+    const int64_t K = wargs[4], nb = K / QK;
+    if (K % QK) return 1;
+    float *xs = malloc((size_t)(2 * M * nb) * sizeof(float) + (size_t)(M * K));
+    if (!xs) return 1;
+    float *xsum = xs + M * nb;
+    int8_t *qx = (int8_t *)(xsum + M * nb);
+    int rc = di_q8_quantize_rows(x, K, M, K, qx, xs, xsum);
+    if (!rc)
+        rc = di_qgemm(DI_Q_INT8, 1, 0, 0, qx, xs, xsum, M, (const uint8_t *)(intptr_t)wargs[0], wargs[1], (int)wargs[2],
+                      wargs[3], K, y, wargs[3]);
+    free(xs);
+    return rc;
 }

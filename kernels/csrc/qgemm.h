@@ -21,4 +21,9 @@ void di_q_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *o
 void di_qk_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *out);
 void di_qk_tile(int mode, int avx2, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
                 const int8_t *qx, const float *xs, const float *xsum, int mr, float *y, int64_t ldy);
+
+/* the int8 mode of the 32-element formats (qgemm_i8.c): rows n0 <= n < n1 of W for all M rows of x */
+int di_q8_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *scale, float *bsum);
+void di_qi8_chunk(int fmt, int avx2, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const int8_t *qx,
+                  const float *xs, const float *xsum, int64_t M, int64_t K, float *y, int64_t ldy);
 #endif

@@ -73,14 +73,39 @@ def test_kernels_vs_dequantised_reference(fmt, m, level):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_avx2_and_scalar_agree(fmt):
+    """exact: close (another summation order); int8: the same bits (one arithmetic per output: the
+    AVX2 groups of 8 weight rows, their single-row tail and the scalar code). 45 rows = chunks of 16,
+    16, 13: groups of 8 and tails of 5."""
     if 1 not in LEVELS:
         pytest.skip("no AVX2 on this CPU")
     gen = torch.Generator().manual_seed(5)
-    qw = quant.pack(torch.randn(33, 256, generator=gen), fmt)
+    qw = quant.pack(torch.randn(45, 256, generator=gen), fmt)
     x = torch.randn(5, 256, generator=gen)
-    for mode in quant.MODES:
-        torch.testing.assert_close(quant.qlinear(x, qw, mode=mode, level=1), quant.qlinear(x, qw, mode=mode, level=0),
-                                   rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(quant.qlinear(x, qw, mode="exact", level=1), quant.qlinear(x, qw, mode="exact", level=0),
+                               rtol=1e-5, atol=1e-4)
+    i8 = quant.qlinear(x, qw, mode="int8", level=1)
+    assert torch.equal(i8, quant.qlinear(x, qw, mode="int8", level=0))
+    assert torch.equal(quant.RowKernel(qw, "int8")(x), i8)
+
+
+def test_quantize_activations_matches_definition():
+    """scale = max|x| / 127 per 32-block, q = round half to even of x * (1 / scale), xsum = scale * sum q:
+    the native (AVX2) quantiser's bits against torch's float32 arithmetic, ties and zero blocks included."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 128, generator=gen) * 3
+    x[0, :32] = 0  # an all-zero block: scale 0, quants 0
+    x[1, 32:64] = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5] + [1.25] * 26)  # scale 1: exact ties
+    qx, xs, xsum = quant.quantize_activations(x)
+    b = x.view(3, 4, 32)
+    s = b.abs().amax(-1) / 127
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    q = torch.round(b * inv.unsqueeze(-1))  # torch.round: half to even
+    assert torch.equal(xs, s)
+    assert torch.equal(qx, q.to(torch.int8).view(3, 128))
+    assert torch.equal(xsum, s * q.sum(-1))
+    assert qx[1, 33:38].tolist() == [2, 4, -2, 0, 0]
+    with pytest.raises(KernelInputError, match="multiple of 32"):
+        quant.quantize_activations(torch.randn(2, 40))
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -99,8 +124,8 @@ def test_batch_invariant(fmt, mode):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_row_kernel_matches_qlinear(fmt):
-    """RowKernel (arguments bound once) gives qlinear's exact bits at every M, strided x included, and
-    checks K."""
+    """RowKernel (arguments bound once) gives qlinear's bits in both modes at every M, strided x
+    included, and checks K."""
     gen = torch.Generator().manual_seed(11)
     qw = quant.pack(torch.randn(75, 96, generator=gen), fmt)
     rk = quant.RowKernel(qw)
@@ -111,6 +136,12 @@ def test_row_kernel_matches_qlinear(fmt):
     assert torch.equal(rk(wide), quant.qlinear(wide.contiguous(), qw, mode="exact"))
     with pytest.raises(KernelInputError, match="float32 CPU"):
         rk(torch.randn(2, 64))
+    ri = quant.RowKernel(qw, "int8")
+    for m in (1, 2, 5, quant.PANEL_M - 1, quant.PANEL_M, 40):
+        x = torch.randn(m, 96, generator=gen)
+        assert torch.equal(ri(x), quant.qlinear(x, qw, mode="int8")), m
+    with pytest.raises(KernelInputError, match="mode"):
+        quant.RowKernel(qw, "fp8")
 
 
 def test_embedding_rows_and_bad_inputs():
