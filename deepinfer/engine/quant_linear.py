@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from deepinfer.engine.placeholder import is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
-from deepinfer_kernels import quant
+from deepinfer_kernels import native, quant
 
 # int8 mode: rows from which a call runs the exact panel kernel instead (see benchmarks/quant_kernels.py);
 # without AVX2, rows from which it dequantises and uses oneDNN (the row kernel took 26.7 ms vs 14.4 for
@@ -39,8 +39,6 @@ LARGE_PATH = "panel"
 class QuantLinear:
     """Callable ``(x, w, b) -> x @ w.T + b`` for placeholder weights made by `install_quantized`
     (others: F.linear, refused in the batch-invariant mode)."""
-
-    silu_mul = None  # gate/up run as one projection, silu * mul in torch
 
     def __init__(self, table: dict[int, quant.QuantWeight], mode: str = "int8", invariant: bool = False):
         if mode not in quant.MODES:
@@ -71,6 +69,11 @@ class QuantLinear:
                 return F.linear(x, quant.dequantize(qw), b)
             return quant.qlinear(x, qw, b, mode="exact", panel=True, one_chain=self.large == "panel1")
         return quant.qlinear(x, qw, b, mode=self.mode)
+
+    def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) for a stacked [gate; up] weight: one projection, then the
+        native silu * mul (csrc/silu_mul.c, the kernel the native decode stack calls too)."""
+        return native.silu_mul(self(x, w))
 
     @property
     def nbytes(self) -> int:

@@ -19,9 +19,13 @@ PROMPTS = [[{"role": "user", "content": c}] for c in (
     "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' to Spanish.",
     "What is 12 times 12?", "Give me a tip for learning Python.")]
 # prompt-token logprobs vs the fp32 path, max abs difference over the prompt set. Measured on this
-# machine: exact 3.4e-5 (the same dequantised weights, another summation order); int8 0.30 (the
-# activations rounded to 8 bits per 32-block, as llama.cpp does)
-LOGPROB_TOL = {"quantized_exact": 1e-3, "quantized": 0.6}
+# machine: exact 3.4e-5 (the same dequantised weights, another summation order); int8 0.30 with
+# torch's silu, 0.84 with the native silu_mul (csrc/silu_mul.c) and 0.73 with silu computed in fp64
+# and rounded once (the activations rounded to 8 bits per 32-block, as llama.cpp does: an ulp-level
+# change of one activation can move a value across a rounding step, so this worst case over ~290
+# tokens, most of them the chat template's shared system prompt, moves with it; greedy agreement on
+# 32 prompts was 19 native, 17 torch, 19 fp64)
+LOGPROB_TOL = {"quantized_exact": 1e-3, "quantized": 1.0}
 # greedy outputs (24 tokens) identical to fp32's: measured exact 8/8, int8 5/8
 MIN_AGREE = {"quantized_exact": 7, "quantized": 4}
 
@@ -65,13 +69,29 @@ def test_logprobs_and_greedy_vs_fp32(engines, fp32_outputs, dtype):
     assert agree >= MIN_AGREE[dtype]
 
 
+class _CountingStack:
+    """The runner's decode stack, recording the rows of each call"""
+
+    def __init__(self, inner):
+        self.inner, self.max_rows, self.rows = inner, inner.max_rows, []
+
+    def __call__(self, x, *args):
+        self.rows.append(x.shape[0])
+        return self.inner(x, *args)
+
+
 @needs_native
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["quantized", "quantized_exact"])
 def test_needle_batch_invariant_in_quantized_mode(dtype):
-    """exact: prefill chunks of 16+ rows run the panel kernel, decode the row kernel (the same bits)"""
+    """exact: prefill chunks of 16+ rows run the panel kernel, decode the row kernel (the same bits).
+    Decode steps of fewer than PANEL_M rows (the needle alone, the tails of the batches) run through
+    the native decode stack, larger ones and mixed steps per op: the needle's tokens and logprobs
+    must not tell which."""
     eng = Engine(dtype=dtype, batch_invariant=True, kv_cache_memory=64 << 20, max_num_batched_tokens=128)
     assert eng.precision == {"quantized": "quantized-int8", "quantized_exact": "quantized-exact"}[dtype]
+    assert eng.runner.decode_stack is not None
+    eng.runner.decode_stack = counting = _CountingStack(eng.runner.decode_stack)
     r = random.Random(3)
     words = "alpha beta gamma delta river stone cloud green quick slow bright dark seven".split()
     needle = [{"role": "user", "content": "Tell me about the sea and " + " ".join(r.choice(words) for _ in range(12))}]
@@ -89,6 +109,7 @@ def test_needle_batch_invariant_in_quantized_mode(dtype):
         out = eng.generate(prompts, params)[pos]
         assert out.token_ids == ref.token_ids, f"trial {t}: batch of {n}"
         assert [(x.logprob, x.top) for x in out.logprobs] == [(x.logprob, x.top) for x in ref.logprobs], t
+    assert 1 in counting.rows and max(counting.rows) > 1  # the needle alone and in small batches went through the stack
 
 
 def test_quantized_dtype_needs_a_gguf(tiny_models):
