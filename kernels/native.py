@@ -158,6 +158,8 @@ def load() -> ctypes.CDLL | None:
         lib.di_gemm_f32.restype = ctypes.c_int
         lib.di_rope_store_kv_f32.argtypes = [fp, i64, i64, i64, i64, i64, fp, fp, fp, i64, fp, fp, fp]
         lib.di_rope_store_kv_f32.restype = ctypes.c_int
+        lib.di_silu_mul_f32.argtypes = [fp, i64, i64, i64, fp]
+        lib.di_silu_mul_f32.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -379,3 +381,18 @@ def add_rmsnorm(
             out.data_ptr(), res.data_ptr() if residual is not None else None, M, D,
         )
     return out, res
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [M, I] from a fused gate|up projection's output gu [M, 2I] (fp32 CPU, rows
+    dense), element by element (csrc/silu_mul.c: within a few ulp of F.silu(g) * u)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if gu.dim() != 2 or gu.shape[1] % 2 or gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.stride(1) != 1:
+        raise KernelInputError(f"silu_mul: gu must be float32 CPU [M, 2I] with dense rows, got {gu.dtype} {tuple(gu.shape)}")
+    m, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(m, inter, dtype=torch.float32)
+    if m and inter:
+        lib.di_silu_mul_f32(gu.data_ptr(), gu.stride(0), m, inter, out.data_ptr())
+    return out

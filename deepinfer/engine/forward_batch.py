@@ -42,6 +42,13 @@ class ForwardBatch:
 
         Single-token decodes (start > 0) must come first: the attention paths batch them together.
         """
+        if all(len(t) == 1 for t in tokens) and all(s > 0 for s in starts):
+            return ForwardBatch._build_decodes(tokens, starts, block_tables, logit_rows, block_size)
+        return ForwardBatch._build_any(tokens, starts, block_tables, logit_rows, block_size)
+
+    @staticmethod
+    def _build_any(tokens: list[list[int]], starts: list[int], block_tables: list[list[int]], logit_rows: list[int],
+                   block_size: int) -> "ForwardBatch":
         lens = [len(t) for t in tokens]
         nd = 0
         while nd < len(lens) and lens[nd] == 1 and starts[nd] > 0:
@@ -69,4 +76,26 @@ class ForwardBatch:
             input_ids=torch.tensor(flat, dtype=torch.long), positions=positions, slot_mapping=slots,
             query_lens=lens_t, context_lens=starts_t + lens_t, block_tables=bt,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long), num_decodes=nd, block_size=block_size,
+        )
+
+    @staticmethod
+    def _build_decodes(tokens: list[list[int]], starts: list[int], block_tables: list[list[int]],
+                       logit_rows: list[int], block_size: int) -> "ForwardBatch":
+        """`build` for a step of single-token decodes only, in plain Python then one tensor per field:
+        the same tensors as the general path, which took 180 us at batch 1 on this host (~15 small
+        torch ops) against ~25 us here, at ~13 ms per decode step."""
+        short = [i for i, (s, b) in enumerate(zip(starts, block_tables)) if len(b) <= s // block_size]
+        if short:
+            raise ValueError(f"ForwardBatch: block table of sequence {short[0]} does not cover its context")
+        max_blocks = max(len(b) for b in block_tables)
+        lng = torch.long
+        return ForwardBatch(
+            input_ids=torch.tensor([t[0] for t in tokens], dtype=lng),
+            positions=torch.tensor(starts, dtype=lng),
+            slot_mapping=torch.tensor([b[s // block_size] * block_size + s % block_size
+                                       for s, b in zip(starts, block_tables)], dtype=lng),
+            query_lens=torch.ones(len(tokens), dtype=lng),
+            context_lens=torch.tensor([s + 1 for s in starts], dtype=lng),
+            block_tables=torch.tensor([list(b) + [0] * (max_blocks - len(b)) for b in block_tables], dtype=lng),
+            logit_rows=torch.tensor(logit_rows, dtype=lng), num_decodes=len(tokens), block_size=block_size,
         )

@@ -102,6 +102,12 @@ class ModelRunner:
         self._select_kernels()
         if config.batch_invariant:
             self._use_batch_invariant_ops()
+        # decode-only steps of few rows through one native call (native_decode.py), when it binds
+        self.decode_stack = None
+        if self.token_attention is not None and quant_mode and self.num_mtp_layers == 0 and not self.use_graphs:
+            from deepinfer.engine.native_decode import bind_decode_stack
+
+            self.decode_stack = bind_decode_stack(self.model, self.linear, self.kv_caches, self.block_size)
         self.graphs = self._capture_graphs() if self.use_graphs else None
 
     def _capture_graphs(self):
@@ -281,6 +287,11 @@ class ModelRunner:
         dev = self.device
         bt = batch.block_tables
         nd = batch.num_decodes
+        if self.decode_stack is not None and nd == batch.num_seqs == batch.num_tokens <= self.decode_stack.max_rows:
+            # the native stack reads the block tables itself: no attention metadata to build
+            ctx = ForwardContext(slot_mapping=batch.slot_mapping, linear=self.linear, attention_fn=self.attention_fn,
+                                 silu_mul=self.linear.silu_mul)
+            return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows, stack_block_tables=bt)
         lens = batch.query_lens.tolist()
         ctx_lens_l = batch.context_lens.tolist()
         ctx = ForwardContext(slot_mapping=batch.slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn,
@@ -368,9 +379,13 @@ class ModelRunner:
                 and torch.equal(batch.logit_rows, torch.arange(c.num_decode))):
             return self.graphs.replay(ids, batch.positions.to(dev, non_blocking=True), c.slot_mapping,
                                       c.decode_block_tables, c.decode_context_lens)
-        # the model runs one layer per KV cache it is given (zip): fewer caches, fewer layers
-        kv = self.kv_caches if num_layers is None else self.kv_caches[:num_layers]
-        hidden = self.model(ids, batch.positions.to(dev), batch.ctx, kv)
+        if batch.stack_block_tables is not None:
+            hidden = self.decode_stack(self.model.embed(ids), batch.positions, c.slot_mapping, batch.stack_block_tables,
+                                       num_layers)
+        else:
+            # the model runs one layer per KV cache it is given (zip): fewer caches, fewer layers
+            kv = self.kv_caches if num_layers is None else self.kv_caches[:num_layers]
+            hidden = self.model(ids, batch.positions.to(dev), batch.ctx, kv)
         if batch.logit_rows.numel():
             sel = hidden.index_select(0, batch.logit_rows.to(dev))
             logits = self.model.compute_logits(sel, batch.ctx)
@@ -385,3 +400,5 @@ class PreparedBatch:
     positions: torch.Tensor  # [T]
     ctx: ForwardContext
     logit_rows: torch.Tensor  # [R] hidden rows whose logits are computed
+    # [B, max_blocks] int64 when the batch runs through the native decode stack (decode rows only)
+    stack_block_tables: torch.Tensor | None = None

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from deepinfer.engine.placeholder import is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
-from deepinfer_kernels import quant
+from deepinfer_kernels import native, quant
 
 # rows from which a call (default mode, AVX2) runs the outer-product kernel. Measured at 1 thread on this
 # AVX2 host (SmolLM2's Q4_1 shapes 960x576, 3072x576, 576x1536), ms: at 16 rows outer 0.41 / 0.98 /
@@ -43,8 +43,6 @@ DEQUANT_M = 64
 class QuantLinear:
     """Callable ``(x, w, b) -> x @ w.T + b`` for placeholder weights made by `install_quantized`
     (others: F.linear, refused in the batch-invariant mode)."""
-
-    silu_mul = None  # gate/up run as one projection, silu * mul in torch
 
     def __init__(self, table: dict[int, quant.QuantWeight], mode: str = "int8", invariant: bool = False):
         if mode not in quant.MODES:
@@ -73,6 +71,11 @@ class QuantLinear:
             if not self.avx2 and x.shape[0] >= DEQUANT_M:
                 return F.linear(x, quant.dequantize(qw), b)
         return quant.qlinear(x, qw, b, mode=self.mode)
+
+    def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) for a stacked [gate; up] weight: one projection, then the
+        native silu * mul (csrc/silu_mul.c, the kernel the native decode stack calls too)."""
+        return native.silu_mul(self(x, w))
 
     @property
     def nbytes(self) -> int:

@@ -40,6 +40,27 @@ def test_build_refuses_bad_layouts():
         ForwardBatch.build([[1], []], [2, 0], [[0], [1]], [], block_size=4)
 
 
+def test_decode_only_steps_build_the_same_tensors_as_the_general_layout():
+    """build's fast path for single-token decodes against the general one, field by field"""
+    import random
+
+    r = random.Random(0)
+    for _ in range(200):
+        n, bs = r.randint(1, 20), r.choice([1, 4, 16])
+        starts = [r.randint(1, 80) for _ in range(n)]
+        tables = [[r.randint(0, 500) for _ in range(s // bs + 1 + r.randint(0, 2))] for s in starts]
+        tokens = [[r.randint(0, 1000)] for _ in range(n)]
+        rows = sorted(r.sample(range(n), r.randint(0, n)))
+        fast = ForwardBatch.build(tokens, starts, tables, rows, bs)
+        ref = ForwardBatch._build_any(tokens, starts, tables, rows, bs)
+        for f in ("input_ids", "positions", "slot_mapping", "query_lens", "context_lens", "block_tables", "logit_rows"):
+            a, b = getattr(fast, f), getattr(ref, f)
+            assert a.dtype == b.dtype and torch.equal(a, b), f
+        assert fast.num_decodes == ref.num_decodes == n and fast.block_size == bs
+    with pytest.raises(ValueError, match="does not cover"):
+        ForwardBatch.build([[1], [2]], [3, 4], [[0], [1]], [], block_size=4)  # position 4 is in block 1
+
+
 def _seq(tokens: list[int]) -> Sequence:
     return Sequence("r", list(tokens), SamplingParams(), arrival=0, rng_seed=0)
 

@@ -23,7 +23,10 @@ PROMPTS = [[{"role": "user", "content": c}] for c in (
 # another summation order); int8 0.30-0.34 (the activations rounded to 8 bits per 32-block, as
 # llama.cpp does). The int8 mode's unlikely tokens vary more, and by chance: three summation orders
 # of the same int8 arithmetic (each within 1e-7 relative of its float64 emulation) gave a max over
-# all tokens of 0.30, 0.80 and 0.81, each on a token of fp32 logprob -15 to -23.
+# all tokens of 0.30, 0.80 and 0.81, each on a token of fp32 logprob -15 to -23. The native silu_mul
+# (csrc/silu_mul.c, in both paths since the decode stack) moves them as much: over all tokens 0.30 with
+# torch's silu, 0.84 native, 0.73 with silu in fp64 rounded once (greedy agreement on 32 prompts: 17
+# torch, 19 native, 19 fp64).
 LIKELY = -10.0
 LOGPROB_TOL = {"quantized_exact": 1e-3, "quantized": 0.6}
 # greedy outputs (24 tokens) identical to fp32's: measured exact 8/8; int8 5/8, 4/8 and 3/8 with those
@@ -70,13 +73,29 @@ def test_logprobs_and_greedy_vs_fp32(engines, fp32_outputs, dtype):
     assert agree >= MIN_AGREE[dtype]
 
 
+class _CountingStack:
+    """The runner's decode stack, recording the rows of each call"""
+
+    def __init__(self, inner):
+        self.inner, self.max_rows, self.rows = inner, inner.max_rows, []
+
+    def __call__(self, x, *args):
+        self.rows.append(x.shape[0])
+        return self.inner(x, *args)
+
+
 @needs_native
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["quantized", "quantized_exact"])
 def test_needle_batch_invariant_in_quantized_mode(dtype):
-    """exact: prefill chunks of 16+ rows run the panel kernel, decode the row kernel (the same bits)"""
+    """exact: prefill chunks of 16+ rows run the panel kernel, decode the row kernel (the same bits).
+    Decode steps of fewer than PANEL_M rows (the needle alone, the tails of the batches) run through
+    the native decode stack, larger ones and mixed steps per op: the needle's tokens and logprobs
+    must not tell which."""
     eng = Engine(dtype=dtype, batch_invariant=True, kv_cache_memory=64 << 20, max_num_batched_tokens=128)
     assert eng.precision == {"quantized": "quantized-int8", "quantized_exact": "quantized-exact"}[dtype]
+    assert eng.runner.decode_stack is not None
+    eng.runner.decode_stack = counting = _CountingStack(eng.runner.decode_stack)
     r = random.Random(3)
     words = "alpha beta gamma delta river stone cloud green quick slow bright dark seven".split()
     needle = [{"role": "user", "content": "Tell me about the sea and " + " ".join(r.choice(words) for _ in range(12))}]
@@ -94,6 +113,7 @@ def test_needle_batch_invariant_in_quantized_mode(dtype):
         out = eng.generate(prompts, params)[pos]
         assert out.token_ids == ref.token_ids, f"trial {t}: batch of {n}"
         assert [(x.logprob, x.top) for x in out.logprobs] == [(x.logprob, x.top) for x in ref.logprobs], t
+    assert 1 in counting.rows and max(counting.rows) > 1  # the needle alone and in small batches went through the stack
 
 
 def test_quantized_dtype_needs_a_gguf(tiny_models):

@@ -173,3 +173,29 @@ def test_rope_store_kv_matches_torch_rotary_and_cache_write():
         native.rope_store_kv(qkv, H, Hkv, cos, sin, torch.tensor([7, 0, 40, 12, 5]), kc, vc)
     with pytest.raises(KernelInputError, match="does not fit"):
         native.rope_store_kv(qkv, H + 1, Hkv, cos, sin, slots, kc, vc)
+
+
+@pytest.mark.parametrize("inter", [1536, 16, 37])
+def test_silu_mul_matches_torch_and_is_row_invariant(inter):
+    g = torch.Generator().manual_seed(5)
+    gu = torch.randn(6, 2 * inter, generator=g) * 8  # silu's tails: exp(-|g|) down to ~e^-40
+    gu[0, :4] = torch.tensor([0.0, -0.0, 90.0, -30.0])
+    out = native.silu_mul(gu)
+    ref = F.silu(gu[:, :inter].double()) * gu[:, inter:].double()
+    assert out.shape == (6, inter) and out.dtype == torch.float32
+    assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-30)
+    # a row's bits do not depend on the other rows (nor on where the row's tail falls)
+    assert torch.equal(native.silu_mul(gu[3:4]), out[3:4])
+    wide = torch.cat([gu[:, :inter], torch.zeros(6, 5), gu[:, inter:], torch.zeros(6, 5)], 1)
+    assert torch.equal(native.silu_mul(wide)[:, :inter], out)
+
+
+def test_silu_mul_reads_strided_rows_and_rejects_bad_inputs():
+    gu = torch.randn(4, 64)
+    view = torch.cat([gu, torch.randn(4, 8)], 1)[:, :64]  # rows 72 apart
+    assert torch.equal(native.silu_mul(view), native.silu_mul(gu))
+    with pytest.raises(KernelInputError, match="silu_mul"):
+        native.silu_mul(torch.randn(4, 63))
+    with pytest.raises(KernelInputError, match="silu_mul"):
+        native.silu_mul(torch.randn(4, 64, dtype=torch.float64))
+    assert native.silu_mul(torch.empty(0, 64)).shape == (0, 32)

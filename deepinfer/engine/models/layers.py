@@ -241,13 +241,17 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: ForwardContext, kv_caches) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        x = self.embed_impl(input_ids) if self.embed_impl is not None else F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, meta, kv)
         x, _ = self.norm.add_forward(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] (the first step of `forward`)."""
+        return self.embed_impl(input_ids) if self.embed_impl is not None else F.embedding(input_ids, self.embed_tokens)
 
     def linear_weights(self) -> list[torch.Tensor]:
         """Every weight that goes through ForwardContext.linear (the projections and the lm_head)."""

@@ -1,0 +1,193 @@
+/* Every decoder layer of a dense Llama / Qwen2 model for a decode-only batch (one query token per
+ * sequence, M rows) in one call, weights as GGUF blocks (csrc/qgemm.c), fp32 activations and KV cache.
+ *
+ * Per layer: add + RMSNorm, q|k|v projection (+ bias), rotary + KV-cache store, attention over the
+ * paged cache, o projection, add + RMSNorm, gate|up projection, silu * mul, down projection; then the
+ * final add + RMSNorm. Each op is the C kernel the per-op path (deepinfer/engine/models/layers.py
+ * through the ctypes wrappers) calls, with the same arguments in the same order, so the result is
+ * bit-identical to that path in the same mode; what this saves is the Python between the ops (a
+ * ctypes call, checks and a torch allocation each: ~17 us per op on this host against 1.5 us for the
+ * norm itself, ~10 ops per layer).
+ *
+ * Threads: each kernel keeps its own OpenMP region (torch's pool), as on the per-op path.
+ * The model (weights, caches, rotary tables, scratch) is bound once in a di_ds_model filled by
+ * deepinfer_kernels/decode_stack.py; a step passes only its hidden input, positions, KV slots and
+ * block tables.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qgemm.h"
+
+/* the per-op path's kernels: qgemm.c's entry points (their signatures are kept stable for callers
+ * like this one), rmsnorm.c, rope_store_kv.c, token_attention.c, silu_mul.c */
+int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx, const float *xs, const float *xsum,
+             int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N, int64_t K, float *y, int64_t ldy);
+int di_q8_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *scale, float *bsum);
+int di_qgemm_exact_bound(const int64_t *wargs, const float *x, int64_t M, float *y);
+int di_add_rmsnorm_f32(const float *x, const float *residual, const float *w, float eps, float *out,
+                       float *res_out, int64_t M, int64_t D);
+int di_rope_store_kv_f32(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                         const float *cos, const float *sin, const int64_t *slots, int64_t S, float *kc,
+                         float *vc, float *q_out);
+int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kc, const float *vc,
+                           const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
+                           float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
+                           float scale);
+int di_silu_mul_f32(const float *gu, int64_t ldg, int64_t M, int64_t I, float *out);
+
+/* a projection's bound arguments, as quant.RowKernel binds them: {W's address, row bytes, format, N, K} */
+typedef int64_t di_ds_weight[5];
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [hidden] */
+    const float *qkv_bias;            /* [(H + 2 Hkv) D], or NULL */
+    float *k_cache, *v_cache;         /* [slots, Hkv, D] contiguous */
+    di_ds_weight qkv, o, gate_up, down;
+} di_ds_layer;
+
+typedef struct {
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter;
+    int64_t slots;      /* KV-cache slots per layer */
+    int64_t block_size; /* slots per block of the block tables */
+    int64_t positions;  /* rows of the rotary tables */
+    int64_t mode;       /* DI_Q_EXACT or DI_Q_INT8 */
+    int64_t max_rows;   /* rows the scratch holds */
+    float eps, scale;
+    const float *cos, *sin; /* [positions, head_dim], sin carrying rotate_half's sign */
+    const float *final_norm;
+    const di_ds_layer *layers;
+    void *work; /* di_decode_stack_work_bytes(model) bytes, 64-byte aligned */
+} di_ds_model;
+
+enum { DS_OK = 0, DS_BAD_SHAPE = 1, DS_BAD_POSITION = 2, DS_BAD_SLOT = 3, DS_NO_MEMORY = 4, DS_KERNEL = 5 };
+
+static int64_t kmax(const di_ds_model *m) {
+    int64_t k = m->hidden;
+    if (m->heads * m->head_dim > k) k = m->heads * m->head_dim;
+    if (m->inter > k) k = m->inter;
+    return k;
+}
+
+/* the scratch, carved in this order, each part 64-byte aligned */
+typedef struct {
+    float *res, *h, *x, *qkv, *q, *att, *gu, *act, *cs, *sn, *xs, *xsum;
+    int64_t *lens, *rowid;
+    int8_t *qx;
+} scratch;
+
+static size_t carve(const di_ds_model *m, char *base, scratch *s) {
+    const int64_t R = m->max_rows, D = m->head_dim, K = kmax(m);
+    const int64_t qkv_n = (m->heads + 2 * m->kv_heads) * D;
+    size_t off = 0;
+#define TAKE(field, type, count)                                                   \
+    do {                                                                           \
+        if (s) s->field = (type *)(base + off);                                    \
+        off += ((size_t)(count) * sizeof(type) + 63) & ~(size_t)63;               \
+    } while (0)
+    TAKE(res, float, R * m->hidden);
+    TAKE(h, float, R * m->hidden);
+    TAKE(x, float, R * m->hidden);
+    TAKE(qkv, float, R * qkv_n);
+    TAKE(q, float, R * m->heads * D);
+    TAKE(att, float, R * m->heads * D);
+    TAKE(gu, float, R * 2 * m->inter);
+    TAKE(act, float, R * m->inter);
+    TAKE(cs, float, R * D);
+    TAKE(sn, float, R * D);
+    TAKE(xs, float, R * (K / QK));
+    TAKE(xsum, float, R * (K / QK));
+    TAKE(lens, int64_t, R);
+    TAKE(rowid, int64_t, R);
+    TAKE(qx, int8_t, R * K);
+#undef TAKE
+    return off;
+}
+
+int64_t di_decode_stack_work_bytes(const di_ds_model *m) { return (int64_t)carve(m, 0, 0); }
+
+/* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's small-M call in this mode (exact: RowKernel;
+ * int8: qlinear's quantise-then-integer-dot path, level 1) */
+static int project(const di_ds_model *m, const scratch *s, const di_ds_weight w, const float *x, int64_t M,
+                   const float *bias, float *y) {
+    int rc;
+    const int64_t N = w[3], K = w[4];
+    if (m->mode == DI_Q_EXACT) {
+        rc = di_qgemm_exact_bound(w, x, M, y);
+    } else {
+        rc = di_q8_quantize_rows(x, K, M, K, s->qx, s->xs, s->xsum);
+        if (!rc)
+            rc = di_qgemm(DI_Q_INT8, 1, 0, 0, s->qx, s->xs, s->xsum, M, (const uint8_t *)(intptr_t)w[0], w[1],
+                          (int)w[2], N, K, y, N);
+    }
+    if (!rc && bias)
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t n = 0; n < N; ++n) y[r * N + n] += bias[n];
+    return rc ? DS_KERNEL : DS_OK;
+}
+
+/* x_in [M, hidden]: the token embeddings; pos, slots: int64 [M]; bt: int64 block tables [M, bt_ld];
+ * out [M, hidden]: the hidden states after the first n_layers layers and the final norm. The token of
+ * row t sits at position pos[t] of its sequence, whose context is positions 0..pos[t] (this token
+ * included: its KV is written to slots[t] first). Returns DS_OK, or a DS_* error (nothing past the
+ * failing op is computed). */
+int di_decode_stack(const di_ds_model *m, int64_t n_layers, const float *x_in, int64_t M, const int64_t *pos,
+                    const int64_t *slots, const int64_t *bt, int64_t bt_ld, float *out) {
+    if (M < 1 || M > m->max_rows || n_layers < 1 || n_layers > m->n_layers) return DS_BAD_SHAPE;
+    scratch s;
+    carve(m, (char *)m->work, &s);
+    const int64_t H = m->heads, Hkv = m->kv_heads, D = m->head_dim, hid = m->hidden, I = m->inter;
+    const int64_t qkv_n = (H + 2 * Hkv) * D, bs = m->block_size;
+    int64_t L = 0;
+    for (int64_t t = 0; t < M; ++t) {
+        if (pos[t] < 0 || pos[t] >= m->positions || pos[t] / bs >= bt_ld) return DS_BAD_POSITION;
+        s.lens[t] = pos[t] + 1;
+        s.rowid[t] = t;
+        if (s.lens[t] > L) L = s.lens[t];
+        memcpy(s.cs + t * D, m->cos + pos[t] * D, sizeof(float) * (size_t)D);
+        memcpy(s.sn + t * D, m->sin + pos[t] * D, sizeof(float) * (size_t)D);
+    }
+    /* each row's context slots, as the runner's _context_slots lays them out (row t: idx[t, 0..lens[t])) */
+    int64_t *idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M * L));
+    if (!idx) return DS_NO_MEMORY;
+    for (int64_t t = 0; t < M; ++t) {
+        const int64_t *b = bt + t * bt_ld;
+        for (int64_t j = 0; j < s.lens[t]; ++j) {
+            const int64_t slot = b[j / bs] * bs + j % bs;
+            if (slot < 0 || slot >= m->slots) {
+                free(idx);
+                return DS_BAD_SLOT;
+            }
+            idx[t * L + j] = slot;
+        }
+    }
+    int rc = DS_OK;
+    const float *residual = x_in; /* layer 0: the embeddings (not written), then s.res in place */
+    for (int64_t l = 0; l < n_layers && !rc; ++l) {
+        const di_ds_layer *ly = &m->layers[l];
+        if (l == 0) di_add_rmsnorm_f32(x_in, 0, ly->in_norm, m->eps, s.h, 0, M, hid);
+        else di_add_rmsnorm_f32(s.x, residual, ly->in_norm, m->eps, s.h, s.res, M, hid);
+        if ((rc = project(m, &s, ly->qkv, s.h, M, ly->qkv_bias, s.qkv))) break;
+        if (di_rope_store_kv_f32(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots, ly->k_cache, ly->v_cache,
+                                 s.q)) {
+            rc = DS_BAD_SLOT;
+            break;
+        }
+        if (di_token_attention_f32(s.q, H * D, D, ly->k_cache, ly->v_cache, idx, L, s.rowid, s.lens, s.att, M, H,
+                                   Hkv, D, L, m->scale)) {
+            rc = DS_NO_MEMORY;
+            break;
+        }
+        if ((rc = project(m, &s, ly->o, s.att, M, 0, s.x))) break;
+        di_add_rmsnorm_f32(s.x, residual, ly->post_norm, m->eps, s.h, s.res, M, hid);
+        residual = s.res;
+        if ((rc = project(m, &s, ly->gate_up, s.h, M, 0, s.gu))) break;
+        di_silu_mul_f32(s.gu, 2 * I, M, I, s.act);
+        rc = project(m, &s, ly->down, s.act, M, 0, s.x);
+    }
+    free(idx);
+    if (rc) return rc;
+    di_add_rmsnorm_f32(s.x, residual, m->final_norm, m->eps, out, s.res, M, hid);
+    return DS_OK;
+}

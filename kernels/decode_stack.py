@@ -1,0 +1,158 @@
+"""The native decode stack (csrc/decode_stack.c): every decoder layer of a dense Llama / Qwen2 model
+for a decode-only batch (one query token per sequence, fewer than quant.PANEL_M rows) in one C call,
+on GGUF block weights as stored (`quant.QuantWeight`), fp32 activations and KV cache.
+
+It calls the kernels the per-op path calls (quant's row kernels in the exact or int8 mode, the native
+RMSNorm, rotary + KV store, token attention, silu * mul) with the same arguments in the same order,
+so its hidden states are bit-identical to that path's; it saves the Python between the ops (~10 per
+layer at ~17 us each against a few us of work for the small ones at batch 1).
+
+`DecodeStack(...)` binds the weights, the caches and the rotary tables once (their addresses: the
+tensors must not be replaced afterwards); a call passes only the step's tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import native, quant
+from .errors import KernelInputError
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_W = _i64 * 5
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("qkv", _W), ("o", _W), ("gate_up", _W), ("down", _W)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, _i64) for n in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "slots",
+                                    "block_size", "positions", "mode", "max_rows")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+        ("layers", ctypes.POINTER(_Layer)), ("work", _ptr)]
+
+
+_ERRORS = {1: "rows or layer count out of range", 2: "a position is outside the rotary table or the block table",
+           3: "a KV slot is outside the cache", 4: "out of memory", 5: "a projection kernel refused its weight"}
+_MODES = {"exact": 0, "int8": 1}
+_configured = False
+
+
+def _lib():
+    global _configured
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if not _configured:
+        lib.di_decode_stack_work_bytes.argtypes = [ctypes.POINTER(_Model)]
+        lib.di_decode_stack_work_bytes.restype = _i64
+        lib.di_decode_stack.argtypes = [ctypes.POINTER(_Model), _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
+        lib.di_decode_stack.restype = ctypes.c_int
+        _configured = True
+    return lib
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer's tensors: norms [hidden] fp32, projections as blocks (q|k|v and gate|up
+    fused as row concatenations), the q|k|v bias or None, its K and V caches [slots, Hkv, D] fp32."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: quant.QuantWeight
+    qkv_bias: torch.Tensor | None
+    o: quant.QuantWeight
+    gate_up: quant.QuantWeight
+    down: quant.QuantWeight
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+        raise KernelInputError(f"DecodeStack: {name} must be a contiguous float32 CPU tensor {shape}, "
+                               f"got {t.dtype} {tuple(t.shape)}")
+
+
+class DecodeStack:
+    """hidden = stack(x, positions, slots, block_tables): the decoder layers and the final norm over the
+    token embeddings x [M, hidden] of M < max_rows + 1 decode rows (see csrc/decode_stack.c)."""
+
+    def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float, num_heads: int, block_size: int, mode: str, max_rows: int = quant.PANEL_M - 1):
+        if mode not in _MODES:
+            raise KernelInputError(f"DecodeStack: mode must be one of {tuple(_MODES)}, got {mode!r}")
+        if not layers or max_rows < 1 or block_size < 1:
+            raise KernelInputError("DecodeStack: needs at least one layer, max_rows >= 1 and block_size >= 1")
+        lib = _lib()
+        first = layers[0]
+        slots, kv_heads, head_dim = first.k_cache.shape
+        hidden, inter = first.o.n, first.down.k
+        if num_heads % kv_heads or head_dim % 2:
+            raise KernelInputError(f"DecodeStack: {num_heads} heads do not fit {kv_heads} KV heads of dim {head_dim}")
+        qkv_n = (num_heads + 2 * kv_heads) * head_dim
+        positions = cos.shape[0]
+        _dense("cos", cos, (positions, head_dim))
+        _dense("sin", sin, (positions, head_dim))
+        _dense("final_norm", final_norm, (hidden,))
+        self._keep: list = [cos, sin, final_norm]  # everything whose address is bound
+        self._layers = (_Layer * len(layers))()
+        for i, ly in enumerate(layers):
+            _dense(f"layer {i} in_norm", ly.in_norm, (hidden,))
+            _dense(f"layer {i} post_norm", ly.post_norm, (hidden,))
+            _dense(f"layer {i} k_cache", ly.k_cache, (slots, kv_heads, head_dim))
+            _dense(f"layer {i} v_cache", ly.v_cache, (slots, kv_heads, head_dim))
+            want = {"qkv": (qkv_n, hidden), "o": (hidden, num_heads * head_dim), "gate_up": (2 * inter, hidden),
+                    "down": (hidden, inter)}
+            c = self._layers[i]
+            for name, shape in want.items():
+                w = getattr(ly, name)
+                if w.shape != shape:
+                    raise KernelInputError(f"DecodeStack: layer {i} {name} is {w.shape}, expected {shape}")
+                if mode == "int8" and w.k % quant.QK:
+                    raise KernelInputError(f"DecodeStack: layer {i} {name}: K = {w.k} is not a multiple of {quant.QK}")
+                getattr(c, name)[:] = (w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k)
+                self._keep.append(w.data)
+            if ly.qkv_bias is not None:
+                _dense(f"layer {i} qkv_bias", ly.qkv_bias, (qkv_n,))
+                c.qkv_bias = ly.qkv_bias.data_ptr()
+            c.in_norm, c.post_norm = ly.in_norm.data_ptr(), ly.post_norm.data_ptr()
+            c.k_cache, c.v_cache = ly.k_cache.data_ptr(), ly.v_cache.data_ptr()
+            self._keep += [ly.in_norm, ly.post_norm, ly.qkv_bias, ly.k_cache, ly.v_cache]
+        m = self._model = _Model(n_layers=len(layers), hidden=hidden, heads=num_heads, kv_heads=kv_heads,
+                                 head_dim=head_dim, inter=inter, slots=slots, block_size=block_size,
+                                 positions=positions, mode=_MODES[mode], max_rows=max_rows, eps=eps,
+                                 scale=head_dim**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                                 final_norm=final_norm.data_ptr(), layers=self._layers)
+        self._work = torch.empty(lib.di_decode_stack_work_bytes(ctypes.byref(m)), dtype=torch.uint8)
+        m.work = self._work.data_ptr()
+        self._ref = ctypes.byref(m)
+        self._call = lib.di_decode_stack
+        self.num_layers, self.hidden, self.max_rows, self.mode = len(layers), hidden, max_rows, mode
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 num_layers: int | None = None) -> torch.Tensor:
+        """x [M, hidden] fp32; positions, slots int64 [M]; block_tables int64 [M, max_blocks] (row t's
+        cache blocks; its token at positions[t] attends to positions 0..positions[t]). Writes each row's
+        K and V to its slot in every layer run; returns the hidden states after the final norm.
+        num_layers: run only the first that many layers (then the final norm)."""
+        m = x.shape[0]
+        if (x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self.hidden
+                or not 0 < m <= self.max_rows):
+            raise KernelInputError(f"DecodeStack: x must be contiguous float32 [M <= {self.max_rows}, {self.hidden}], "
+                                   f"got {x.dtype} {tuple(x.shape)}")
+        for name, t in (("positions", positions), ("slots", slots), ("block_tables", block_tables)):
+            if t.dtype != torch.int64 or not t.is_contiguous() or t.shape[0] != m or t.dim() != 1 + (name == "block_tables"):
+                raise KernelInputError(f"DecodeStack: {name} must be contiguous int64 with {m} rows")
+        out = torch.empty(m, self.hidden, dtype=torch.float32)
+        rc = self._call(self._ref, self.num_layers if num_layers is None else num_layers, x.data_ptr(), m,
+                        positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                        out.data_ptr())
+        if rc:
+            raise KernelInputError(f"DecodeStack: {_ERRORS.get(rc, f'error {rc}')}")
+        return out

@@ -1,0 +1,119 @@
+"""The native decode stack (deepinfer_kernels.decode_stack, bound by engine/native_decode.py) against the
+per-op path it replaces for decode-only steps: the same hidden states, logits and KV-cache contents,
+bit for bit, in the exact and int8 modes, on tiny random-weight models with GGUF block weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.forward_batch import ForwardBatch
+from deepinfer.engine.loader import load_model
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer_kernels import KernelInputError, quant
+
+if not quant.available():
+    pytest.skip("no C compiler here: the native kernels are not built", allow_module_level=True)
+
+BS = 4  # small blocks: contexts span several, in scattered order
+
+
+def _runner(path, mode, fmt=quant.Q4_1, batch_invariant=False):
+    loaded = load_model(str(path))
+    # projections in `fmt`, the (possibly tied) embedding in Q8_0 as in the default GGUF
+    blocks = {k: quant.pack(v, quant.Q8_0 if "embed" in k or "lm_head" in k else fmt)
+              for k, v in loaded.weights.items() if v.dim() == 2}
+    cfg = EngineConfig(kv_cache_memory=2 << 20, block_size=BS, batch_invariant=batch_invariant)
+    return ModelRunner(cfg, loaded.config, loaded.weights, torch.device("cpu"), torch.float32,
+                       quantized=blocks, quant_mode=mode)
+
+
+def _tables(rng, n, length):
+    """n block tables of distinct, shuffled blocks covering `length` positions each"""
+    per = -(-length // BS)
+    ids = torch.randperm(n * per + 7, generator=rng)[: n * per].view(n, per)
+    return [row.tolist() for row in ids]
+
+
+def _prefill(runner, tables, prompts):
+    """write each sequence's prompt KV through the per-op path (one prefill batch)"""
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), tables, [], BS)
+    runner.forward(runner.prepare(batch))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q|k|v bias, tied embedding
+@pytest.mark.parametrize("mode", ["exact", "int8"])
+def test_stack_is_bitwise_the_per_op_path(tiny_models, arch, mode):
+    runner = _runner(tiny_models[arch], mode)
+    assert runner.decode_stack is not None and runner.decode_stack.mode == mode
+    stack = runner.decode_stack
+    rng = torch.Generator().manual_seed(7)
+    n = quant.PANEL_M - 1  # the most rows the stack takes
+    lens = torch.randint(3, 40, (n,), generator=rng).tolist()
+    tables = _tables(rng, n, max(lens) + 1)
+    vocab = runner.model_config.vocab_size
+    _prefill(runner, tables, [torch.randint(0, vocab, (L,), generator=rng).tolist() for L in lens])
+    for rows in (1, 3, n):
+        toks = torch.randint(0, vocab, (rows,), generator=rng).tolist()
+        batch = ForwardBatch.build([[t] for t in toks], lens[:rows], tables[:rows], list(range(rows)), BS)
+        runner.decode_stack = None
+        ref_prep = runner.prepare(batch)
+        assert ref_prep.stack_block_tables is None
+        ref = runner.forward(ref_prep)
+        ref_cache = runner.kv_cache.clone()
+        runner.kv_cache[:, :, batch.slot_mapping] = 0  # the stack writes these rows' K and V in every layer
+        runner.decode_stack = stack
+        prep = runner.prepare(batch)
+        assert prep.stack_block_tables is not None
+        got = runner.forward(prep)
+        assert torch.equal(got, ref), f"{rows} rows: max diff {(got - ref).abs().max()}"
+        assert torch.equal(runner.kv_cache, ref_cache)
+        # an early exit (self-drafting) runs the first layers, then the final norm
+        runner.decode_stack = None
+        ref1 = runner.forward(runner.prepare(batch), num_layers=1)
+        runner.decode_stack = stack
+        assert torch.equal(runner.forward(runner.prepare(batch), num_layers=1), ref1)
+        assert not torch.equal(ref1, ref)
+
+
+def test_rows_from_panel_m_and_mixed_steps_take_the_per_op_path(tiny_models):
+    runner = _runner(tiny_models["llama"], "exact")
+    rng = torch.Generator().manual_seed(3)
+    n = quant.PANEL_M
+    tables = _tables(rng, n, 12)
+    _prefill(runner, tables, [[5] * 8] * n)
+    decode = ForwardBatch.build([[1]] * n, [8] * n, tables, list(range(n)), BS)
+    assert runner.prepare(decode).stack_block_tables is None
+    mixed = ForwardBatch.build([[1], [2, 3]], [8, 8], tables[:2], [0, 2], BS)
+    assert runner.prepare(mixed).stack_block_tables is None
+
+
+def test_stack_binds_only_models_it_computes_exactly(tiny_models):
+    assert _runner(tiny_models["qwen3"], "exact").decode_stack is None  # q/k norms: per-op
+    assert _runner(tiny_models["llama"], "exact", batch_invariant=True).decode_stack is not None
+    loaded = load_model(str(tiny_models["llama"]))
+    fp32 = ModelRunner(EngineConfig(kv_cache_memory=2 << 20), loaded.config, loaded.weights, torch.device("cpu"),
+                       torch.float32)
+    assert fp32.decode_stack is None
+
+
+def test_stack_rejects_bad_steps(tiny_models):
+    runner = _runner(tiny_models["llama"], "exact")
+    stack = runner.decode_stack
+    x = torch.randn(2, stack.hidden)
+    pos, slots = torch.tensor([3, 9]), torch.tensor([3, 9])
+    bt = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    with pytest.raises(KernelInputError, match="block table"):
+        stack(x, pos, slots, bt[:, :2].contiguous())  # position 9 is in block 2
+    with pytest.raises(KernelInputError, match="KV slot"):
+        stack(x, pos, torch.tensor([3, 1 << 40]), bt)
+    with pytest.raises(KernelInputError, match="KV slot"):
+        stack(x, pos, slots, torch.tensor([[0, 1, 2], [0, 1, 1 << 40]]))
+    with pytest.raises(KernelInputError, match=f"M <= {quant.PANEL_M - 1}"):
+        stack(torch.randn(quant.PANEL_M, stack.hidden), torch.zeros(quant.PANEL_M, dtype=torch.long),
+              torch.zeros(quant.PANEL_M, dtype=torch.long), torch.zeros(quant.PANEL_M, 1, dtype=torch.long))
+    with pytest.raises(KernelInputError, match="positions"):
+        stack(x, pos.int(), slots, bt)
+    with pytest.raises(KernelInputError, match="layer count"):
+        stack(x, pos, slots, bt, num_layers=stack.num_layers + 1)
