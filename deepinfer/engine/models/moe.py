@@ -241,8 +241,23 @@ class MoeBlock(nn.Module):
         out.index_copy_(0, order, ys)
         return out.view(T, k, self.hidden)
 
+    def _shared_out(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
+        s = self.shared(x, meta)
+        if self.shared_gate_weight is not None:
+            s = torch.sigmoid(meta.linear(x, self.shared_gate_weight, None)) * s
+        return s
+
     def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         w, idx = self.route(x, meta)
+        kernel = self.expert_kernel
+        if self.dispatcher is None and hasattr(kernel, "combined"):
+            # experts, slot combine and (fused, or added) shared expert in one native call: the same
+            # bits as the path below (products rounded, then summed in slot order, + shared)
+            idx = self.to_local(idx)
+            if self.shared is not None and self.shared_gate_weight is None and kernel.can_fuse(self.shared):
+                return kernel.combined(x, idx, w, shared=self.shared)
+            add = self._shared_out(x, meta) if self.shared is not None else None
+            return kernel.combined(x, idx, w, add=add)
         if self.dispatcher is not None:  # [T, k, H] computed where the experts live
             per_slot = self.dispatcher(self, x, idx, meta)
         else:
@@ -252,10 +267,7 @@ class MoeBlock(nn.Module):
         for j in range(1, idx.shape[1]):  # a fixed (slot) order: the same sum whatever the batch
             out = out + weighted[:, j]
         if self.shared is not None:
-            s = self.shared(x, meta)
-            if self.shared_gate_weight is not None:
-                s = torch.sigmoid(meta.linear(x, self.shared_gate_weight, None)) * s
-            out = out + s
+            out = out + self._shared_out(x, meta)
         return out
 
     # ---- weights --------------------------------------------------------------------------------
