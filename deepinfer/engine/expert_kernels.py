@@ -199,6 +199,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
     as one-expert stacks, in fp32."""
     from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
+    from deepinfer_kernels import moe_route
 
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
     if not blocks or not native_experts_available():
@@ -209,6 +210,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
             continue
         gu, down = b.stacked_expert_weights()
         b.set_expert_kernel(NativeExperts(gu, down, weights))
+        b.route_kernel = moe_route.route  # the router's logits -> experts and weights, natively too
         del gu, down
         b.release_expert_weights()  # the packed panels are the experts' only copy from here on
         n += 1

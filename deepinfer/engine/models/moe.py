@@ -68,6 +68,9 @@ class MoeBlock(nn.Module):
         self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
         self._weights_in_kernel = False  # the expert parameters were emptied: the kernel's packed copy is the only one
         self.router_kernel = None  # fn(x [T, H] fp32) -> x @ gate_weight.T, row-invariant (native_projections.py)
+        # fn(logits, top_k, scoring, bias, n_group, topk_group, group_score, norm, scale) -> (w, ids) for
+        # fp32 logits (deepinfer_kernels.moe_route.route, installed with the native experts); None: torch
+        self.route_kernel = None
         # the router stays fp32 whatever the model dtype (DeepSeek-V3 routes in fp32; on CPU all is fp32)
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False)
         self.score_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if moe.correction_bias else None
@@ -148,6 +151,9 @@ class MoeBlock(nn.Module):
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
+        if self.route_kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return self.route_kernel(logits, m.top_k, m.scoring, self.score_bias, m.n_group, m.topk_group,
+                                     m.group_score, m.norm_topk_prob, m.routed_scaling_factor)
         scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else _sigmoid_rows(logits.float())
         choice = scores + self.score_bias if self.score_bias is not None else scores
         if m.n_group > 1:
