@@ -9,9 +9,12 @@ Routing (engine/moe_config.MoeConfig):
   e_score_correction_bias, within the topk_group best of n_group groups (a group scores the sum of
   its two best), and *weighted* by the plain scores, renormalised, times routed_scaling_factor.
 
-Experts: on CPU fp32 with the native kernels (engine/expert_kernels.py installs it at load) all
-routed experts run in one native grouped-GEMM call (deepinfer_kernels.moe_gemm: counting sort by
-expert, gate/up with silu * mul in registers, down written to each pair's row), on CUDA in two
+Experts: on CPU fp32 with the native kernels (engine/expert_kernels.py installs it at load) the
+routing is one native call (deepinfer_kernels.moe_route) and all routed experts, the slot combine
+and the shared expert (as extra groups, when its width is a multiple of the routed experts') run in
+one native grouped-GEMM call (deepinfer_kernels.moe_gemm: counting sort by expert, gate/up with silu
+* mul in registers, down written to each pair's row, then each token's slots summed in slot order,
+bit for bit the torch combine below); on CUDA in two
 TileLang grouped GEMMs (deepinfer_kernels.grouped_gemm); elsewhere the
 (token, slot) pairs are sorted by expert (a stable sort, so token order is kept inside an expert)
 and each active expert runs one GEMM over its rows through ForwardContext.linear / silu_mul. A
