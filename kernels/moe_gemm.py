@@ -5,7 +5,10 @@ with the other native kernels by `native.load`).
 `moe_experts(x, idx, packed)` returns [T, k, H]: row (t, j) is expert idx[t, j]'s gated MLP on
 x[t], computed in one call (a counting sort by expert, every active expert's gate/up GEMM with silu
 * mul in registers, then its down GEMM written to the pair's row). `moe_experts_reference` is the
-torch definition. `pack_linear` / `linear` are a plain projection x @ W.T on the same register tile
+torch definition. Given the routing weights it also combines the slots in the same call ([T, H]:
+products rounded, summed in slot order, + an optional addend: torch's combine, bit for bit), and an
+`extra` stack (a shared expert's chunks) runs as expert ids past the stack's.
+`pack_linear` / `linear` are a plain projection x @ W.T on the same register tile
 (for the MoE models' other projections on CPUs where the shared panel GEMM's tile spills). Each output element is one multiply-add chain over k in order, so a pair's result
 does not depend on which other tokens share its expert (batch-invariant).
 """
@@ -32,7 +35,7 @@ def _lib():
     if not _configured:
         i64, fp = ctypes.c_int64, ctypes.c_void_p
         for fn in (lib.di_moe_experts_f32, lib.di_moe_experts_bf16):
-            fn.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, i64, fp, fp, i64]
+            fn.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, fp, fp, i64, i64, fp, fp, i64, fp, fp, i64, fp, i64]
             fn.restype = ctypes.c_int
         lib.di_moe_nr.restype = ctypes.c_int
         lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
@@ -141,8 +144,15 @@ def unpack_experts(packed: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, rows(packed.down.float(), h).contiguous()
 
 
-def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
-    """[T, k, H]: out[t, j] = down_e(silu(gate_e x[t]) * up_e x[t]) for e = idx[t, j]."""
+def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts, extra: PackedExperts | None = None,
+                weights: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, k, H]: out[t, j] = down_e(silu(gate_e x[t]) * up_e x[t]) for e = idx[t, j]: ids below
+    packed.num_experts are packed's experts, the next extra.num_experts (a shared expert's chunks) extra's.
+
+    With weights ([T, k] fp32) the slots are combined in the same call: returns [T, H], row t =
+    sum_j weights[t, j] * (expert idx[t, j] on x[t]) in slot order j = 0, 1, ..., then + add[t] (add:
+    [T, H] fp32 or None); each product rounded before it is added, so the bits are those of
+    `(y * weights[..., None])` summed slot by slot in torch (then `+ add`)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
             or x.shape[1] != packed.hidden:
         raise KernelInputError(f"moe_experts: x must be float32 CPU [T, {packed.hidden}], got "
@@ -151,24 +161,45 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts) -> to
             or idx.dtype not in (torch.int64, torch.int32):
         raise KernelInputError(f"moe_experts: idx must be an integer CPU tensor [{x.shape[0]}, k], got "
                                f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}")
+    if extra is not None and (extra.hidden, extra.inter, extra.weights) != (packed.hidden, packed.inter, packed.weights):
+        raise KernelInputError(f"moe_experts: extra experts are {extra.weights} [H={extra.hidden}, I={extra.inter}], "
+                               f"the stack is {packed.weights} [H={packed.hidden}, I={packed.inter}]")
+    if weights is not None and (not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32
+                                or weights.device.type != "cpu" or tuple(weights.shape) != tuple(idx.shape)):
+        raise KernelInputError(f"moe_experts: weights must be float32 CPU {tuple(idx.shape)}, got "
+                               f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
+    if add is not None and (weights is None or not isinstance(add, torch.Tensor) or add.dtype != torch.float32
+                            or add.device.type != "cpu" or tuple(add.shape) != (x.shape[0], packed.hidden)):
+        raise KernelInputError(f"moe_experts: add must be float32 CPU [{x.shape[0]}, {packed.hidden}] and needs weights, "
+                               f"got {getattr(add, 'dtype', type(add).__name__)} {tuple(getattr(add, 'shape', ()))}")
     if x.stride(1) != 1 or x.stride(0) < packed.hidden:
         x = x.contiguous()
     idx = idx.to(torch.int64).contiguous()
     t, k = idx.shape
     y = torch.empty(t, k, packed.hidden, dtype=torch.float32)
+    out = torch.empty(t, packed.hidden, dtype=torch.float32) if weights is not None else None
     if t * k == 0:
-        return y
+        return y if out is None else out.zero_().add_(add if add is not None else 0)
     h = torch.empty(t * k, packed.inter, dtype=torch.float32)
+    if weights is not None:
+        weights = weights.contiguous()
+    if add is not None and (add.stride(1) != 1 or add.stride(0) < packed.hidden):
+        add = add.contiguous()
+    n_extra = extra.num_experts if extra is not None else 0
     fn = _lib().di_moe_experts_bf16 if packed.weights == torch.bfloat16 else _lib().di_moe_experts_f32
     rc = fn(x.data_ptr(), x.stride(0), t, k, idx.data_ptr(), packed.num_experts,
-            packed.gate_up.data_ptr(), packed.down.data_ptr(), packed.hidden, packed.inter,
-            h.data_ptr(), y.data_ptr(), packed.hidden)
+            packed.gate_up.data_ptr(), packed.down.data_ptr(), n_extra,
+            extra.gate_up.data_ptr() if extra is not None else None, extra.down.data_ptr() if extra is not None else None,
+            packed.hidden, packed.inter, h.data_ptr(), y.data_ptr(), packed.hidden,
+            weights.data_ptr() if weights is not None else None, add.data_ptr() if add is not None else None,
+            add.stride(0) if add is not None else 0, out.data_ptr() if out is not None else None, packed.hidden)
     if rc == -1:
-        bad = idx[(idx < 0) | (idx >= packed.num_experts)]
-        raise KernelInputError(f"moe_experts: expert id {int(bad[0])} out of range [0, {packed.num_experts})")
+        n = packed.num_experts + n_extra
+        bad = idx[(idx < 0) | (idx >= n)]
+        raise KernelInputError(f"moe_experts: expert id {int(bad[0])} out of range [0, {n})")
     if rc != 0:
         raise MemoryError(f"moe_experts: the native kernel could not allocate its sort buffers (code {rc})")
-    return y
+    return y if out is None else out
 
 
 def moe_experts_reference(x: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,35 @@ class NativeExperts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self._packed)
 
+    def can_fuse(self, mlp) -> bool:
+        """Whether `combined` can run the gated MLP `mlp` (a shared expert) in its call: its kernel holds
+        it as chunks of this stack's shape and storage."""
+        chunks = getattr(getattr(mlp, "kernel", None), "chunks", None)
+        p = self._packed
+        return chunks is not None and (chunks.hidden, chunks.inter, chunks.weights) == (p.hidden, p.inter, p.weights)
+
+    def combined(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, shared=None,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H]: sum_j w[t, j] * expert idx[t, j] (x[t]) in slot order, in one native call, then
+        + the shared gated MLP `shared` (one whose `can_fuse`: its chunks run in the same call, as extra
+        groups, so no second call and no second pass over the output) or + add.
+
+        Why: at a batch-32 decode step of the V3-shaped model the torch combine (a [T, k, H] multiply,
+        k - 1 adds, + shared) and the shared expert's own call cost 0.3 + 1.05 ms per layer next to the
+        routed experts' 7.2 ms (1 thread, replayed layer inputs): the fused call hides the shared
+        expert's FLOPs in the routed experts' weight streaming. End to end (benchmarks/moe.py's models,
+        2 threads, quiet window, paired A/B against the engine before this call and the native routing,
+        best of 4): V3-shaped 1.02x at batch 32, 1.13x at 128, 1.03x at 8 and 1; Qwen3-shaped (no shared
+        expert) 0.98x at 32 (within the noise), 1.04-1.08x at 128."""
+        extra = None
+        if shared is not None:
+            extra = shared.kernel.chunks
+            t, m = x.shape[0], extra.num_experts
+            ids = torch.arange(self._packed.num_experts, self._packed.num_experts + m, dtype=idx.dtype)
+            idx = torch.cat([idx, ids.expand(t, m)], 1)
+            w = torch.cat([w, w.new_ones(t, m)], 1)
+        return self._kernel(x, idx, self._packed, extra=extra, weights=w, add=add)
+
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 stacks (gate_up [E, 2I, H], down [E, H, I]) the panels hold."""
         from deepinfer_kernels import moe_gemm
@@ -59,20 +88,35 @@ class NativeGatedMlp(nn.Module):
     """One gated MLP (a shared expert, or a dense layer of an MoE model) as a one-expert stack for
     `moe_gemm.moe_experts`, every row routed to it; callable x [T, H] -> [T, H]. Side by side with
     the oneDNN pair it replaces (silu_mul + down, packed) on this AVX2 EPYC, under load: 1.5-1.8x at
-    8-32 rows for V3-shaped 1024 x 256 and 1024 x 2048 MLPs, 1.0-1.2x at 512 rows."""
+    8-32 rows for V3-shaped 1024 x 256 and 1024 x 2048 MLPs, 1.0-1.2x at 512 rows.
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+    chunk (a divisor of the intermediate size, a shared expert's routed-expert size): packed instead
+    as intermediate / chunk experts of that size (`chunks`), whose outputs summed are the MLP's, so
+    NativeExperts.combined can run it in the routed experts' call. One chunk is the plain MLP, the same bits."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, chunk: int | None = None):
         super().__init__()
         from deepinfer_kernels import moe_gemm
 
         self._kernel = moe_gemm.moe_experts
-        p = moe_gemm.pack_experts(gate_up.unsqueeze(0).contiguous(), down.unsqueeze(0).contiguous())
+        inter = down.shape[1]
+        chunk = inter if chunk is None else chunk
+        if chunk <= 0 or inter % chunk:
+            raise ValueError(f"NativeGatedMlp: chunk {chunk} does not divide the intermediate size {inter}")
+        m = inter // chunk
+        g, u = gate_up[:inter].view(m, chunk, -1), gate_up[inter:].view(m, chunk, -1)
+        p = moe_gemm.pack_experts(torch.cat([g, u], 1).contiguous(), down.view(down.shape[0], m, chunk).transpose(0, 1).contiguous())
         self.register_buffer("packed_gate_up", p.gate_up, persistent=False)
         self.register_buffer("packed_down", p.down, persistent=False)
         self._packed = p
+        self.chunks = p
+        self._ids = torch.arange(m).unsqueeze(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, torch.zeros(x.shape[0], 1, dtype=torch.long), self._packed).view(x.shape[0], -1)
+        t, m = x.shape[0], self._packed.num_experts
+        if m == 1:
+            return self._kernel(x, torch.zeros(t, 1, dtype=torch.long), self._packed).view(t, -1)
+        return self._kernel(x, self._ids.expand(t, m), self._packed, weights=x.new_ones(t, m))
 
 
 class TileLangExperts(nn.Module):
@@ -158,6 +202,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
     as one-expert stacks, in fp32."""
     from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
+    from deepinfer_kernels import moe_route
 
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
     if not blocks or not native_experts_available():
@@ -168,13 +213,17 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
             continue
         gu, down = b.stacked_expert_weights()
         b.set_expert_kernel(NativeExperts(gu, down, weights))
+        b.route_kernel = moe_route.route  # the router's logits -> experts and weights, natively too
         del gu, down
         b.release_expert_weights()  # the packed panels are the experts' only copy from here on
         n += 1
     if n:
+        # a shared expert whose intermediate size is a multiple of its block's routed experts' is packed
+        # as chunks of their size: the block's combined call then runs it (NativeExperts.can_fuse)
+        chunk = {id(b.shared): b.inter for b in blocks if b.shared is not None and b.shared.inter % b.inter == 0}
         for m in model.modules():
             if isinstance(m, GatedMLP) and m.gate_up_weight.dtype == torch.float32 and m.gate_up_weight.device.type == "cpu":
-                m.kernel = NativeGatedMlp(m.gate_up_weight.data, m.down_weight.data)
+                m.kernel = NativeGatedMlp(m.gate_up_weight.data, m.down_weight.data, chunk=chunk.get(id(m)))
         from deepinfer.engine.native_projections import install_native_projections
 
         install_native_projections(model)  # MLA's projections and the routers, on the same tile

@@ -80,6 +80,12 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #else
 #define IN_REGISTERS(a, b, c) ((void)0)
 #endif
+/* an opaque use of a product: the compiler (-ffp-contract=fast) cannot fuse it into the next add */
+#if defined(__AVX__)
+#define KEEP_ROUNDED(v) __asm__("" : "+x"(v))
+#else
+#define KEEP_ROUNDED(v) do { volatile vf keep_ = (v); (v) = keep_; } while (0)
+#endif
 
 /* Software prefetch PF_BYTES ahead in a panel (two lines: a k step is NR floats, 96 B on AVX2) */
 #ifndef PF_BYTES
@@ -277,19 +283,53 @@ static inline __attribute__((always_inline)) void down_tile(const int mr, const 
 int di_moe_nr(void) { return NR; }
 #endif
 
-/* x: [T, H] rows ldx apart; idx: [T, k] expert ids in [0, E); gu: [E][2 * ceil(I/NR)][H][NR];
- * down: [E][ceil(H/NR)][I][NR]; h: scratch [T * k, I]; y: [T * k, H] rows ldy apart.
+/* out[t, :] = sum over slots j = 0 .. k-1, in that order, of wts[t, j] * y[t * k + j, :], then
+ * + add[t, :] when add is given: each product rounded, then added (no fused multiply-add: the same
+ * operations, in the same order, as torch's `(y * w).sum-by-slot` loop it replaces, so the same bits). */
+static void combine_rows(const float *y, int64_t ldy, int64_t t, int64_t k, const float *wts, const float *add,
+                         int64_t ldadd, float *out, int64_t H) {
+    const float *w = wts + t * k;
+    int64_t c = 0;
+    for (; c + VW <= H; c += VW) {
+        vf acc = splat(w[0]) * ldv(y + (t * k) * ldy + c);
+        KEEP_ROUNDED(acc);
+        for (int64_t j = 1; j < k; ++j) {
+            vf p = splat(w[j]) * ldv(y + (t * k + j) * ldy + c);
+            KEEP_ROUNDED(p);
+            acc = acc + p;
+        }
+        if (add) acc = acc + ldv(add + t * ldadd + c);
+        stv(out + c, acc);
+    }
+    for (; c < H; ++c) {
+        volatile float acc = w[0] * y[(t * k) * ldy + c];
+        for (int64_t j = 1; j < k; ++j) {
+            volatile float p = w[j] * y[(t * k + j) * ldy + c];
+            acc = acc + p;
+        }
+        out[c] = add ? acc + add[t * ldadd + c] : acc;
+    }
+}
+
+/* x: [T, H] rows ldx apart; idx: [T, k] expert ids in [0, E + xE): ids below E are the stack gu / down
+ * (gu: [E][2 * ceil(I/NR)][H][NR], down: [E][ceil(H/NR)][I][NR]), the others the extra stack xgu /
+ * xdown (xE experts, same layout: a shared expert's chunks); h: scratch [T * k, I]; y: [T * k, H] rows
+ * ldy apart. With wts ([T, k] fp32) the slots are also combined: out [T, H] rows ldo apart gets
+ * combine_rows (plus add [T, H], rows ldadd apart, when not NULL), in the same call.
  * Returns 0, or -1 for an expert id out of range (nothing written), -2 when out of memory. */
 int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *idx, int64_t E,
-                       const wt_t *gu, const wt_t *down, int64_t H, int64_t I, float *h, float *y, int64_t ldy) {
+                       const wt_t *gu, const wt_t *down, int64_t xE, const wt_t *xgu, const wt_t *xdown,
+                       int64_t H, int64_t I, float *h, float *y, int64_t ldy,
+                       const float *wts, const float *add, int64_t ldadd, float *out, int64_t ldo) {
     const int64_t R = T * k;
     if (R == 0) return 0;
+    const int64_t Eall = E + (xgu && xdown ? xE : 0);
     for (int64_t i = 0; i < R; ++i)
-        if (idx[i] < 0 || idx[i] >= E) return -1;
-    int64_t *count = calloc((size_t)E + 1, sizeof(int64_t));
+        if (idx[i] < 0 || idx[i] >= Eall) return -1;
+    int64_t *count = calloc((size_t)Eall + 1, sizeof(int64_t));
     int64_t *pair = malloc(sizeof(int64_t) * (size_t)R);       /* sorted position -> (t * k + j) */
-    int64_t *group_start = malloc(sizeof(int64_t) * (size_t)(E + 1));
-    int64_t *group_expert = malloc(sizeof(int64_t) * (size_t)E);
+    int64_t *group_start = malloc(sizeof(int64_t) * (size_t)(Eall + 1));
+    int64_t *group_expert = malloc(sizeof(int64_t) * (size_t)Eall);
     if (!count || !pair || !group_start || !group_expert) {
         free(count); free(pair); free(group_start); free(group_expert);
         return -2;
@@ -297,7 +337,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     /* stable counting sort: within an expert, pairs keep their (token, slot) order */
     for (int64_t i = 0; i < R; ++i) ++count[idx[i] + 1];
     int64_t G = 0;
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < Eall; ++e) {
         if (count[e + 1]) {
             group_expert[G] = e;
             group_start[G++] = count[e];
@@ -307,6 +347,19 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     group_start[G] = R;
     for (int64_t i = 0; i < R; ++i) pair[count[idx[i]]++] = i;
 
+    /* threads take the groups' items largest group first (a stable insertion sort by row count): a
+     * shared expert's group holds every token, and taken last it left one thread finishing it alone */
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(G ? G : 1));
+    if (!order) {
+        free(count); free(pair); free(group_start); free(group_expert);
+        return -2;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t n = group_start[g + 1] - group_start[g];
+        int64_t i = g;
+        for (; i > 0 && group_start[order[i - 1] + 1] - group_start[order[i - 1]] < n; --i) order[i] = order[i - 1];
+        order[i] = g;
+    }
     int64_t max_n = 0;
     for (int64_t g = 0; g < G; ++g)
         if (group_start[g + 1] - group_start[g] > max_n) max_n = group_start[g + 1] - group_start[g];
@@ -320,7 +373,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     const size_t per_thread = ptr_bytes + sizeof(float) * 2 * NR * (size_t)max_n;  /* (NR floats: 96 or 192 B) */
     char *scratch = aligned_alloc(64, per_thread * (size_t)nthreads);
     if (!scratch) {
-        free(count); free(pair); free(group_start); free(group_expert);
+        free(count); free(pair); free(group_start); free(group_expert); free(order);
         return -2;
     }
     const int64_t Pi = (I + NR - 1) / NR, Ph = (H + NR - 1) / NR;
@@ -337,8 +390,9 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         float *bg = (float *)(scratch + (size_t)tid * per_thread + ptr_bytes);
 #pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Pi; ++item) {
-            const int64_t g = item / Pi, p = item % Pi;
-            const wt_t *wg = gu + group_expert[g] * gu_stride + 2 * p * H * NR;
+            const int64_t g = order[item / Pi], p = item % Pi;
+            const int64_t ex = group_expert[g];
+            const wt_t *wg = (ex < E ? gu + ex * gu_stride : xgu + (ex - E) * gu_stride) + 2 * p * H * NR;
             const wt_t *wu = wg + H * NR;
             const int64_t ncols = I - p * NR < NR ? I - p * NR : NR;
             const int64_t r0 = group_start[g], n = group_start[g + 1] - r0;
@@ -348,8 +402,9 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         /* (the implicit barrier of the loop above: every h row is complete here) */
 #pragma omp for schedule(runtime)
         for (int64_t item = 0; item < G * Ph; ++item) {
-            const int64_t g = item / Ph, p = item % Ph;
-            const wt_t *w = down + group_expert[g] * down_stride + p * I * NR;
+            const int64_t g = order[item / Ph], p = item % Ph;
+            const int64_t ex = group_expert[g];
+            const wt_t *w = (ex < E ? down + ex * down_stride : xdown + (ex - E) * down_stride) + p * I * NR;
             const int64_t ncols = H - p * NR < NR ? H - p * NR : NR;
             for (int64_t r0 = group_start[g]; r0 < group_start[g + 1]; r0 += MR) {
                 const int64_t left = group_start[g + 1] - r0;
@@ -357,28 +412,33 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 const int64_t pf = pf_offset(group_start[g + 1] - group_start[g], r0 - group_start[g],
                                              (int64_t)sizeof(wt_t) * I * NR);  /* the next panel */
                 const float *hrows[MR];
-                float *out[MR];
+                float *orows[MR];
                 for (int r = 0; r < mr; ++r) {
                     hrows[r] = h + (r0 + r) * I;
-                    out[r] = y + pair[r0 + r] * ldy + p * NR;
+                    orows[r] = y + pair[r0 + r] * ldy + p * NR;
                 }
                 switch (mr) {
 #if MR == 8
-                case 8: down_tile(8, hrows, w, I, out, ncols, pf); break;
-                case 7: down_tile(7, hrows, w, I, out, ncols, pf); break;
-                case 6: down_tile(6, hrows, w, I, out, ncols, pf); break;
-                case 5: down_tile(5, hrows, w, I, out, ncols, pf); break;
+                case 8: down_tile(8, hrows, w, I, orows, ncols, pf); break;
+                case 7: down_tile(7, hrows, w, I, orows, ncols, pf); break;
+                case 6: down_tile(6, hrows, w, I, orows, ncols, pf); break;
+                case 5: down_tile(5, hrows, w, I, orows, ncols, pf); break;
 #endif
-                case 4: down_tile(4, hrows, w, I, out, ncols, pf); break;
-                case 3: down_tile(3, hrows, w, I, out, ncols, pf); break;
-                case 2: down_tile(2, hrows, w, I, out, ncols, pf); break;
-                default: down_tile(1, hrows, w, I, out, ncols, pf); break;
+                case 4: down_tile(4, hrows, w, I, orows, ncols, pf); break;
+                case 3: down_tile(3, hrows, w, I, orows, ncols, pf); break;
+                case 2: down_tile(2, hrows, w, I, orows, ncols, pf); break;
+                default: down_tile(1, hrows, w, I, orows, ncols, pf); break;
                 }
             }
         }
+        if (wts) {
+            /* (the implicit barrier of the down loop: every y row is complete here) */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; ++t) combine_rows(y, ldy, t, k, wts, add, ldadd, out + t * ldo, H);
+        }
     }
     SCHEDULE_END
-    free(count); free(pair); free(group_start); free(group_expert); free(scratch);
+    free(count); free(pair); free(group_start); free(group_expert); free(order); free(scratch);
     return 0;
 }
 

@@ -157,3 +157,53 @@ def test_packed_experts_are_the_only_copy_and_give_the_weights_back(v3_path):
     # packed once: the engine holds well under twice the checkpoint (it held 2.12x on the V3-shaped
     # benchmark model with the parameters kept beside the panels)
     assert eng.stats.weight_bytes < 2 * eng.stats.checkpoint_bytes
+
+
+class _Unfused(torch.nn.Module):
+    """An expert kernel without `combined`: MoeBlock then combines the slots and adds the shared
+    expert in torch (the path the fused call replaces)."""
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, x, idx):
+        return self.kernel(x, idx)
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_the_fused_call_gives_the_torch_combines_bits(v3_path, tokens):
+    """Experts, slot combine and shared expert in one native call: bitwise the block's torch combine
+    (products rounded, summed in slot order, + shared) over the same kernel's per-slot rows."""
+    eng = Engine(str(v3_path), kv_cache_memory=1 << 20)
+    block = _blocks(eng)[0]
+    assert block.shared is not None and block.expert_kernel.can_fuse(block.shared)  # V3: the shared expert runs inside
+    meta = _ctx(eng)
+    x = torch.randn(tokens, block.hidden, generator=torch.Generator().manual_seed(tokens))
+    fused = block(x, meta)
+    kernel = block.expert_kernel
+    block.set_expert_kernel(_Unfused(kernel))
+    try:
+        ref = block(x, meta)
+    finally:
+        block.set_expert_kernel(kernel)
+    assert torch.equal(fused, ref)
+
+
+@needs_native
+def test_a_shared_expert_packed_in_chunks(v3_path):
+    """A shared expert wider than the routed ones runs as chunks of their size (summed), near the
+    plain MLP; a chunk that does not divide the width is refused."""
+    from deepinfer.engine.expert_kernels import NativeGatedMlp
+
+    g = torch.Generator().manual_seed(0)
+    H, inter = 64, 96
+    gu, down = torch.randn(2 * inter, H, generator=g) * 0.1, torch.randn(H, inter, generator=g) * 0.1
+    x = torch.randn(9, H, generator=g)
+    plain, chunked = NativeGatedMlp(gu, down), NativeGatedMlp(gu, down, chunk=32)
+    assert chunked.chunks.num_experts == 3 and chunked.chunks.inter == 32
+    torch.testing.assert_close(chunked(x), plain(x), atol=2e-5, rtol=1e-4)
+    assert torch.equal(chunked(x[3:4])[0], chunked(x)[3])  # batch-invariant
+    with pytest.raises(ValueError, match="chunk 40 does not divide the intermediate size 96"):
+        NativeGatedMlp(gu, down, chunk=40)

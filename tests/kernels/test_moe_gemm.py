@@ -152,3 +152,60 @@ def test_unpack_gives_back_the_packed_stacks(weights):
     got_gu, got_down = moe_gemm.unpack_experts(moe_gemm.pack_experts(gu, down, weights=weights))
     assert got_gu.dtype == got_down.dtype == torch.float32
     assert torch.equal(got_gu, gu.to(weights).float()) and torch.equal(got_down, down.to(weights).float())
+
+
+def _torch_combine(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """MoeBlock's torch combine: products rounded, summed in slot order."""
+    weighted = y * w.unsqueeze(-1)
+    out = weighted[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + weighted[:, j]
+    return out
+
+
+# H off the vector width (a scalar tail), one token, several row tiles, bf16 weights
+@pytest.mark.parametrize("E,H,I,T,k,weights", [(8, 200, 70, 13, 3, torch.float32), (6, 97, 40, 1, 2, torch.float32),
+                                                (32, 256, 64, 33, 4, torch.float32), (8, 200, 70, 13, 3, torch.bfloat16)])
+def test_combined_slots_are_the_torch_combine_bit_for_bit(E, H, I, T, k, weights):
+    gu, down = _experts(E, H, I, seed=E + T)
+    packed = moe_gemm.pack_experts(gu, down, weights=weights)
+    g = torch.Generator().manual_seed(T + 1)
+    x = torch.randn(T, H, generator=g)
+    idx = _routing(T, E, k, seed=k)
+    w = torch.rand(T, k, generator=g) * 2.5
+    add = torch.randn(T, H, generator=g)
+    y = moe_gemm.moe_experts(x, idx, packed)
+    out = moe_gemm.moe_experts(x, idx, packed, weights=w)
+    assert out.shape == (T, H)
+    assert torch.equal(out, _torch_combine(y, w))
+    assert torch.equal(moe_gemm.moe_experts(x, idx, packed, weights=w, add=add), _torch_combine(y, w) + add)
+    # batch-invariant: a token alone gets its row's bits
+    assert torch.equal(moe_gemm.moe_experts(x[-1:], idx[-1:], packed, weights=w[-1:])[0], out[-1])
+
+
+def test_extra_experts_run_with_the_stack_as_ids_past_it():
+    E, H, I, T, k = 6, 72, 40, 11, 2
+    gu, down = _experts(E + 2, H, I, seed=21)
+    whole = moe_gemm.pack_experts(gu, down)
+    stack, extra = moe_gemm.pack_experts(gu[:E], down[:E]), moe_gemm.pack_experts(gu[E:], down[E:])
+    idx = torch.cat([_routing(T, E, k, seed=3), torch.tensor([[E, E + 1]] * T)], 1)  # every token on both extras
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(22))
+    assert torch.equal(moe_gemm.moe_experts(x, idx, stack, extra=extra), moe_gemm.moe_experts(x, idx, whole))
+    w = torch.rand(T, k + 2)
+    assert torch.equal(moe_gemm.moe_experts(x, idx, stack, extra=extra, weights=w), moe_gemm.moe_experts(x, idx, whole, weights=w))
+    with pytest.raises(KernelInputError, match=r"expert id 8 out of range \[0, 8\)"):
+        moe_gemm.moe_experts(x[:1], torch.tensor([[0, E + 2]]), stack, extra=extra)
+    with pytest.raises(KernelInputError, match="extra experts are"):
+        moe_gemm.moe_experts(x, idx, stack, extra=moe_gemm.pack_experts(*_experts(2, H, I + 1)))
+
+
+def test_combine_inputs_are_checked():
+    gu, down = _experts(4, 32, 24)
+    packed = moe_gemm.pack_experts(gu, down)
+    x, idx = torch.randn(3, 32), _routing(3, 4, 2)
+    with pytest.raises(KernelInputError, match=r"weights must be float32 CPU \(3, 2\)"):
+        moe_gemm.moe_experts(x, idx, packed, weights=torch.ones(3, 3))
+    with pytest.raises(KernelInputError, match="add must be float32 CPU .* needs weights"):
+        moe_gemm.moe_experts(x, idx, packed, add=torch.ones(3, 32))
+    with pytest.raises(KernelInputError, match="add must be"):
+        moe_gemm.moe_experts(x, idx, packed, weights=torch.ones(3, 2), add=torch.ones(2, 32))

@@ -9,9 +9,12 @@ Routing (engine/moe_config.MoeConfig):
   e_score_correction_bias, within the topk_group best of n_group groups (a group scores the sum of
   its two best), and *weighted* by the plain scores, renormalised, times routed_scaling_factor.
 
-Experts: on CPU fp32 with the native kernels (engine/expert_kernels.py installs it at load) all
-routed experts run in one native grouped-GEMM call (deepinfer_kernels.moe_gemm: counting sort by
-expert, gate/up with silu * mul in registers, down written to each pair's row), on CUDA in two
+Experts: on CPU fp32 with the native kernels (engine/expert_kernels.py installs it at load) the
+routing is one native call (deepinfer_kernels.moe_route) and all routed experts, the slot combine
+and the shared expert (as extra groups, when its width is a multiple of the routed experts') run in
+one native grouped-GEMM call (deepinfer_kernels.moe_gemm: counting sort by expert, gate/up with silu
+* mul in registers, down written to each pair's row, then each token's slots summed in slot order,
+bit for bit the torch combine below); on CUDA in two
 TileLang grouped GEMMs (deepinfer_kernels.grouped_gemm); elsewhere the
 (token, slot) pairs are sorted by expert (a stable sort, so token order is kept inside an expert)
 and each active expert runs one GEMM over its rows through ForwardContext.linear / silu_mul. A
@@ -68,6 +71,9 @@ class MoeBlock(nn.Module):
         self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
         self._weights_in_kernel = False  # the expert parameters were emptied: the kernel's packed copy is the only one
         self.router_kernel = None  # fn(x [T, H] fp32) -> x @ gate_weight.T, row-invariant (native_projections.py)
+        # fn(logits, top_k, scoring, bias, n_group, topk_group, group_score, norm, scale) -> (w, ids) for
+        # fp32 logits (deepinfer_kernels.moe_route.route, installed with the native experts); None: torch
+        self.route_kernel = None
         # the router stays fp32 whatever the model dtype (DeepSeek-V3 routes in fp32; on CPU all is fp32)
         self.gate_weight = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False)
         self.score_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if moe.correction_bias else None
@@ -148,6 +154,9 @@ class MoeBlock(nn.Module):
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
+        if self.route_kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return self.route_kernel(logits, m.top_k, m.scoring, self.score_bias, m.n_group, m.topk_group,
+                                     m.group_score, m.norm_topk_prob, m.routed_scaling_factor)
         scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else _sigmoid_rows(logits.float())
         choice = scores + self.score_bias if self.score_bias is not None else scores
         if m.n_group > 1:
@@ -241,8 +250,23 @@ class MoeBlock(nn.Module):
         out.index_copy_(0, order, ys)
         return out.view(T, k, self.hidden)
 
+    def _shared_out(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
+        s = self.shared(x, meta)
+        if self.shared_gate_weight is not None:
+            s = torch.sigmoid(meta.linear(x, self.shared_gate_weight, None)) * s
+        return s
+
     def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         w, idx = self.route(x, meta)
+        kernel = self.expert_kernel
+        if self.dispatcher is None and hasattr(kernel, "combined"):
+            # experts, slot combine and (fused, or added) shared expert in one native call: the same
+            # bits as the path below (products rounded, then summed in slot order, + shared)
+            idx = self.to_local(idx)
+            if self.shared is not None and self.shared_gate_weight is None and kernel.can_fuse(self.shared):
+                return kernel.combined(x, idx, w, shared=self.shared)
+            add = self._shared_out(x, meta) if self.shared is not None else None
+            return kernel.combined(x, idx, w, add=add)
         if self.dispatcher is not None:  # [T, k, H] computed where the experts live
             per_slot = self.dispatcher(self, x, idx, meta)
         else:
@@ -252,10 +276,7 @@ class MoeBlock(nn.Module):
         for j in range(1, idx.shape[1]):  # a fixed (slot) order: the same sum whatever the batch
             out = out + weighted[:, j]
         if self.shared is not None:
-            s = self.shared(x, meta)
-            if self.shared_gate_weight is not None:
-                s = torch.sigmoid(meta.linear(x, self.shared_gate_weight, None)) * s
-            out = out + s
+            out = out + self._shared_out(x, meta)
         return out
 
     # ---- weights --------------------------------------------------------------------------------
