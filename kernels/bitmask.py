@@ -27,6 +27,8 @@ def _lib():
             lib.di_apply_bitmask_f32.restype = ctypes.c_int
             lib.di_bitmask_forced_byte.argtypes = [fp, i64, fp, i64]
             lib.di_bitmask_forced_byte.restype = ctypes.c_int
+            lib.di_bitmask_min_rank.argtypes = [fp, i64, fp, i64]
+            lib.di_bitmask_min_rank.restype = ctypes.c_int64
             _fns = lib
     return _fns or None
 
@@ -57,3 +59,15 @@ def forced_byte(words: torch.Tensor, first_byte: np.ndarray) -> int | None | boo
         return False
     b = lib.di_bitmask_forced_byte(words.data_ptr(), words.numel(), first_byte.ctypes.data, len(first_byte))
     return b if b >= 0 else None
+
+
+def min_rank_token(words: torch.Tensor, rank: torch.Tensor) -> int | None | bool:
+    """For one mask row (int32 words): the allowed token id with the smallest rank[id] (ties: the
+    lowest id), None when no token is allowed; False when the kernel cannot run (caller falls back).
+    rank: int64 [V], V the vocabulary (bits past it are ignored)."""
+    lib = _lib()
+    if (lib is None or words.dtype != torch.int32 or words.device.type != "cpu" or not words.is_contiguous()
+            or rank.dtype != torch.int64 or rank.device.type != "cpu" or not rank.is_contiguous()):
+        return False
+    t = lib.di_bitmask_min_rank(words.data_ptr(), words.numel(), rank.data_ptr(), rank.numel())
+    return t if t >= 0 else None

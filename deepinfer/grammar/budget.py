@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.grammar.bitmask import allocate_token_bitmask, allowed_token_ids
+from deepinfer_kernels import bitmask as native_bitmask
 
 MARGIN = 16  # tokens of slack before the guard starts to restrict
 TOP_K = 4  # the model's best allowed tokens checked in the guarded zone
@@ -52,11 +53,13 @@ class BudgetGuard:
                 matcher.fill_bitmask(self._mask, 0)
                 words = self._mask[0]
                 t = next((p for p in self.preferred if (int(words[p // 32]) >> (p % 32)) & 1), None)
-                if t is None:  # none of the closers: scan the row
-                    ids = allowed_token_ids(words, self.vocab_size)
-                    if ids.numel() == 0:
+                if t is None:  # none of the closers: the lowest-ranked allowed token (natively where it can)
+                    t = native_bitmask.min_rank_token(words, self._rank)
+                    if t is False:
+                        ids = allowed_token_ids(words, self.vocab_size)
+                        t = int(ids[torch.argmin(self._rank[ids] * self.vocab_size + ids)]) if ids.numel() else None
+                    if t is None:
                         return None
-                    t = int(ids[torch.argmin(self._rank[ids] * self.vocab_size + ids)])
                 if t in self.stop_ids or not matcher.accept_token(t):
                     return None
                 path.append(t)

@@ -306,6 +306,9 @@ class BatchPlan:
     # common token prefix of their renderings (so no token straddles the static text's end)
     probes: list[list[Expr]] = field(default_factory=list)
     compiles: int = 0  # distinct constraints whose compile was started
+    # the later programs' constraints compile after the first step (precompile_after): their requests
+    # cannot go in before it, so the runtime runs the first program alone until that step returns
+    first_alone: bool = False
 
 
 def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[str, Any], backend: Any,
@@ -365,6 +368,7 @@ def plan_batch(func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict[st
         after = getattr(backend, "precompile_after", None)
         if after is not None:
             plan.compiles += after(backend.compile_futures(first), later)
+            plan.first_alone = True
         else:
             plan.compiles += sum(bool(backend.precompile(p)) for p in later())
     return plan

@@ -75,10 +75,11 @@ class Function:
             raise InvalidRequestError(f"bind: program {self.func.__name__!r} has no argument(s) {unknown}")
         return Function(functools.partial(self.func, **kwargs))
 
-    def _plan(self, jobs: list, defaults: dict, runtime: Runtime, share_prefix: bool) -> list | None:
-        """Compile the batch (compiler.plan_batch); returns the static prefix leaves to share."""
+    def _plan(self, jobs: list, defaults: dict, runtime: Runtime, share_prefix: bool) -> tuple[list | None, bool]:
+        """Compile the batch (compiler.plan_batch); returns (the static prefix leaves to share, whether
+        the first program runs alone until the engine's first step)."""
         plan = plan_batch(self.func, jobs, defaults, runtime.backend, share_prefix)
-        return plan.probes if plan.prefix else None
+        return (plan.probes if plan.prefix else None), plan.first_alone
 
     # ------------------------------------------------------------------ helpers
     def _split(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -155,10 +156,9 @@ class Function:
         if not jobs:
             return []
         runtime = self._runtime(backend)
-        prefix = self._plan(jobs, defaults, runtime, share_prefix) if compile else None
-        batch = runtime.submit(
-            self.func, jobs, defaults, window=max_in_flight, share_prefix=share_prefix, prefix=prefix
-        )
+        prefix, first_alone = self._plan(jobs, defaults, runtime, share_prefix) if compile else (None, False)
+        batch = runtime.submit(self.func, jobs, defaults, window=max_in_flight, share_prefix=share_prefix,
+                               prefix=prefix, first_alone=first_alone)
         if progress_bar:
             from tqdm import tqdm
 

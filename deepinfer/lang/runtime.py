@@ -77,9 +77,13 @@ class Batch:
     """Programs submitted together: the window bounds how many are live at once."""
 
     def __init__(self, func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict, window: int,
-                 share_prefix: bool, stream: bool, prefix: list | None = None) -> None:
+                 share_prefix: bool, stream: bool, prefix: list | None = None, first_alone: bool = False) -> None:
         self.func, self.jobs, self.defaults = func, jobs, defaults
         self.window, self.stream = max(1, int(window)), stream
+        # the compiler's plan: run only the first program until the engine's next step returns (the
+        # others' requests would wait for their constraints anyway, which compile after that step;
+        # running them first put 100 programs' frontend work before the batch's first output)
+        self.first_alone = first_alone
         self.n = len(jobs)
         self.next = 0
         self.active = 0
@@ -93,6 +97,11 @@ class Batch:
             self.gate = "plan"
         else:
             self.gate = "collect" if share_prefix and self.n > 1 else "open"
+        if self.first_alone and self.gate == "collect":
+            # collecting the first wave's requests for their common prefix needs the whole wave; the
+            # compiler's plan found no shared prefix in these programs' text (batch_prefix covers the
+            # static text and the common start of the varying arguments), so none is collected
+            self.gate = "open"
         self.held: list[tuple] = []
         self.prefix_ids: list[int] | None = None
         self.pin: Any = None  # the engine's pin of the planned prefix, released when the batch ends
@@ -131,7 +140,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ entry (any thread)
     def submit(self, func: Callable, jobs: list[tuple[tuple, dict]], defaults: dict, *, window: int = 256,
-               share_prefix: bool = False, stream: bool = False, prefix: list | None = None) -> Batch:
+               share_prefix: bool = False, stream: bool = False, prefix: list | None = None,
+               first_alone: bool = False) -> Batch:
         """Queue a batch of program invocations; returns at once (see Batch.futures).
 
         `prefix`: the compiler's prefix plan (lists of leaves: the static text and first prompts);
@@ -141,7 +151,7 @@ class Runtime:
                 "run/run_batch/arun cannot be called inside a running program; call the other "
                 "function directly instead: other(s, ...)"
             )
-        batch = Batch(func, jobs, defaults, window, share_prefix, stream, prefix)
+        batch = Batch(func, jobs, defaults, window, share_prefix, stream, prefix, first_alone)
         _gc_batch(+1)
         if stream:  # the caller needs the state object now, to iterate its text
             for i in range(batch.n):
@@ -235,7 +245,7 @@ class Runtime:
         for b in self._batches:
             if b.gate == "plan":
                 self._start_planned_prefix(b)
-            while b.active < b.window and b.next < b.n:
+            while b.active < (1 if b.first_alone else b.window) and b.next < b.n:
                 i = b.next
                 b.next += 1
                 b.active += 1
@@ -360,6 +370,9 @@ class Runtime:
             for op in {id(op): op for op, _ in self._reqs.values()}.values():
                 self._fail_op(op, err)
             return
+        finally:
+            for b in self._batches:
+                b.first_alone = False
         for out in outs:
             entry = self._reqs.get(out.request_id)
             if entry is None:

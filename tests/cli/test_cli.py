@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -180,3 +180,18 @@ def test_forced_byte_native_equals_numpy(kind, monkeypatch):
     assert xb._next_bytes_forced(row, first) == want
     monkeypatch.setattr(native_bitmask, "forced_byte", lambda *a: False)  # the numpy path
     assert xb._next_bytes_forced(row, first) == want
+
+
+@pytest.mark.parametrize("kind", ["random", "sparse", "dense", "none"])
+def test_min_rank_token_is_the_lowest_ranked_allowed_id(kind):
+    """The budget guard's step (the allowed token of least rank, ties to the lowest id) natively,
+    against its definition."""
+    from deepinfer_kernels import bitmask as native_bitmask
+
+    g = torch.Generator().manual_seed(9)
+    V = 2000
+    mask = _mask(kind, 1, (V + 31) // 32, g)
+    rank = torch.randint(0, 5, (V,), generator=g)  # many ties
+    ids = allowed_token_ids(mask[0], V)
+    want = int(ids[torch.argmin(rank[ids] * V + ids)]) if ids.numel() else None
+    assert native_bitmask.min_rank_token(mask[0], rank) == want

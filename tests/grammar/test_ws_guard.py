@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 
 from deepinfer.grammar import allocate_token_bitmask, allowed_token_ids, spec_from_params
 from deepinfer.grammar.ws_guard import MAX_JSON_WHITESPACE, WhitespaceGuard, WhitespaceTables

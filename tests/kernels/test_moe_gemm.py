@@ -107,7 +107,7 @@ def test_bad_inputs_are_named():
 # tile's partial sums parked between blocks: hidden sizes just under, at and past a block boundary
 @pytest.mark.parametrize("blocks", [0.5, 1, 1.01, 2.3])
 def test_k_blocks_keep_a_rows_bits_and_the_reference(blocks):
-    E, I, k = 3, 40, 2
+    E, I = 3, 40
     H = max(2, int(3072 // moe_gemm.panel_width() * blocks))
     gu, down = _experts(E, H, I, seed=11)
     packed = moe_gemm.pack_experts(gu, down)

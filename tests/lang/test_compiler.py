@@ -445,18 +445,19 @@ def test_the_later_compiles_wait_for_the_first_programs_step():
     assert eng.at[0] == 0 and all(n >= 1 for n in eng.at[1:]), eng.at
 
 
-def test_the_later_programs_are_traced_after_the_first_step():
-    """The compiler's plain trace of each later program (to list its constraint) runs after the
-    engine's first step, not between the run_batch call and the first request."""
+def test_the_later_programs_are_traced_and_run_after_the_first_step():
+    """With distinct constraints per program, the compiler's plain trace of each later program (to
+    list its constraint) and the later programs themselves run after the engine's first step: only
+    the first program's work stands between the run_batch call and the first request."""
     from deepinfer.lang.trace import TraceState
 
     eng = _SteppedCompileEngine(delay=0.01)
     traced_at: list[tuple[int, int]] = []
+    started_at: list[tuple[int, int]] = []
 
     @di.function
     def typed(s, schema, i):
-        if isinstance(s, TraceState):
-            traced_at.append((i, eng.steps))
+        (traced_at if isinstance(s, TraceState) else started_at).append((i, eng.steps))
         s += f"Record {i}: " + di.gen("obj", json_schema=schema, max_tokens=32)
 
     schemas = [{"type": "object", "properties": {f"t{k}": {"type": "integer"}}, "required": [f"t{k}"]}
@@ -467,6 +468,13 @@ def test_the_later_programs_are_traced_after_the_first_step():
     # first prompt, for the shared prefix, come before: the graph needs them)
     later = [n for i, n in traced_at if 2 <= i <= 3]
     assert len(later) == 2 and all(n >= 1 for n in later), traced_at
+    assert sorted(started_at)[0] == (0, 0) and all(n >= 1 for i, n in started_at if i >= 1), started_at
+    # interpreted, every program starts at once
+    started_at.clear()
+    eng.steps = 0
+    typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=eng, temperature=0.0,
+                    compile=False)
+    assert all(n == 0 for _, n in started_at), started_at
     assert [c[0] for c in eng.calls] == schemas and eng.at[0] == 0 and all(n >= 1 for n in eng.at[1:])
     again = typed.run_batch([{"schema": sc, "i": i} for i, sc in enumerate(schemas)], backend=FakeEngine(),
                             temperature=0.0, compile=False)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from deepinfer.lang.chat_template import analyze_chat_template
-from deepinfer.lang.testing import FakeEngine, FakeTokenizer
+from deepinfer.lang.testing import FakeTokenizer
 from deepinfer.lang.token_cache import SegmentEncoder
 
 

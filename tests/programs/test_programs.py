@@ -6,7 +6,6 @@ import json
 import re
 
 import msgspec
-import pytest
 
 import deepinfer as di
 
