@@ -1,7 +1,7 @@
 """Token-bitmask kernels (csrc/bitmask.c) for the grammar layer: apply a mask to fp32 logits in place,
-and find the one first byte a mask's allowed tokens share (jump-forward's probe). Each returns None
-where the native library is unavailable or the input is not in the kernel's layout; the caller then
-runs its torch / numpy path (deepinfer/grammar/bitmask.py, grammar/xgrammar_backend.py)."""
+find the one first byte a mask's allowed tokens share (jump-forward's probe), and the allowed token
+of least rank (the budget guard's closing path). Each returns False where the native library is
+unavailable or the input is not in the kernel's layout; the caller then runs its torch / numpy path (deepinfer/grammar/bitmask.py, grammar/xgrammar_backend.py)."""
 
 from __future__ import annotations
 
@@ -12,25 +12,20 @@ import torch
 
 from . import native
 
-_fns = None
+
+def _configure(lib) -> None:
+    i64, fp = ctypes.c_int64, ctypes.c_void_p
+    lib.di_apply_bitmask_f32.argtypes = [fp, i64, i64, fp, i64, fp, i64]
+    lib.di_apply_bitmask_f32.restype = ctypes.c_int
+    lib.di_bitmask_forced_byte.argtypes = [fp, i64, fp, i64]
+    lib.di_bitmask_forced_byte.restype = ctypes.c_int
+    lib.di_bitmask_min_rank.argtypes = [fp, i64, fp, i64]
+    lib.di_bitmask_min_rank.restype = ctypes.c_int64
 
 
 def _lib():
-    global _fns
-    if _fns is None:
-        lib = native.load()
-        if lib is None:
-            _fns = False
-        else:
-            i64, fp = ctypes.c_int64, ctypes.c_void_p
-            lib.di_apply_bitmask_f32.argtypes = [fp, i64, i64, fp, i64, fp, i64]
-            lib.di_apply_bitmask_f32.restype = ctypes.c_int
-            lib.di_bitmask_forced_byte.argtypes = [fp, i64, fp, i64]
-            lib.di_bitmask_forced_byte.restype = ctypes.c_int
-            lib.di_bitmask_min_rank.argtypes = [fp, i64, fp, i64]
-            lib.di_bitmask_min_rank.restype = ctypes.c_int64
-            _fns = lib
-    return _fns or None
+    """The library, or None without it (the callers then take their torch / numpy paths)."""
+    return native.require(_configure) if native.available() else None
 
 
 def apply_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> bool:

@@ -40,21 +40,17 @@ class _Model(ctypes.Structure):
 _ERRORS = {1: "rows or layer count out of range", 2: "a position is outside the rotary table or the block table",
            3: "a KV slot is outside the cache", 4: "out of memory", 5: "a projection kernel refused its weight"}
 _MODES = {"exact": 0, "int8": 1}
-_configured = False
+
+
+def _configure(lib) -> None:
+    lib.di_decode_stack_work_bytes.argtypes = [ctypes.POINTER(_Model)]
+    lib.di_decode_stack_work_bytes.restype = _i64
+    lib.di_decode_stack.argtypes = [ctypes.POINTER(_Model), _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
+    lib.di_decode_stack.restype = ctypes.c_int
 
 
 def _lib():
-    global _configured
-    lib = native.load()
-    if lib is None:
-        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
-    if not _configured:
-        lib.di_decode_stack_work_bytes.argtypes = [ctypes.POINTER(_Model)]
-        lib.di_decode_stack_work_bytes.restype = _i64
-        lib.di_decode_stack.argtypes = [ctypes.POINTER(_Model), _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
-        lib.di_decode_stack.restype = ctypes.c_int
-        _configured = True
-    return lib
+    return native.require(_configure)
 
 
 @dataclass(frozen=True)

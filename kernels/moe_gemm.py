@@ -24,28 +24,23 @@ import torch.nn.functional as F
 from . import huge_pages, native
 from .errors import KernelInputError
 
-_configured = False
+
+def _configure(lib) -> None:
+    i64, fp = ctypes.c_int64, ctypes.c_void_p
+    for fn in (lib.di_moe_experts_f32, lib.di_moe_experts_bf16):
+        fn.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, fp, fp, i64, i64, fp, fp, i64, fp, fp, i64, fp, i64]
+        fn.restype = ctypes.c_int
+    lib.di_moe_nr.restype = ctypes.c_int
+    lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
+    lib.di_panel_linear_f32.restype = ctypes.c_int
+    lib.di_moe_set_dynamic.argtypes = [ctypes.c_int]
+    lib.di_moe_set_dynamic.restype = None
+    lib.di_moe_set_prefetch_next.argtypes = [ctypes.c_int]
+    lib.di_moe_set_prefetch_next.restype = None
 
 
 def _lib():
-    global _configured
-    lib = native.load()
-    if lib is None:
-        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
-    if not _configured:
-        i64, fp = ctypes.c_int64, ctypes.c_void_p
-        for fn in (lib.di_moe_experts_f32, lib.di_moe_experts_bf16):
-            fn.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, fp, fp, i64, i64, fp, fp, i64, fp, fp, i64, fp, i64]
-            fn.restype = ctypes.c_int
-        lib.di_moe_nr.restype = ctypes.c_int
-        lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
-        lib.di_panel_linear_f32.restype = ctypes.c_int
-        lib.di_moe_set_dynamic.argtypes = [ctypes.c_int]
-        lib.di_moe_set_dynamic.restype = None
-        lib.di_moe_set_prefetch_next.argtypes = [ctypes.c_int]
-        lib.di_moe_set_prefetch_next.restype = None
-        _configured = True
-    return lib
+    return native.require(_configure)
 
 
 def available() -> bool:

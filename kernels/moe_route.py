@@ -12,21 +12,16 @@ import torch
 from . import native
 from .errors import KernelInputError
 
-_configured = False
+
+def _configure(lib) -> None:
+    i64, fp = ctypes.c_int64, ctypes.c_void_p
+    lib.di_moe_route_f32.argtypes = [fp, i64, i64, i64, fp, ctypes.c_int, i64, i64, ctypes.c_int, i64,
+                                     ctypes.c_int, ctypes.c_float, ctypes.c_float, fp, fp]
+    lib.di_moe_route_f32.restype = ctypes.c_int
 
 
 def _lib():
-    global _configured
-    lib = native.load()
-    if lib is None:
-        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
-    if not _configured:
-        i64, fp = ctypes.c_int64, ctypes.c_void_p
-        lib.di_moe_route_f32.argtypes = [fp, i64, i64, i64, fp, ctypes.c_int, i64, i64, ctypes.c_int, i64,
-                                         ctypes.c_int, ctypes.c_float, ctypes.c_float, fp, fp]
-        lib.di_moe_route_f32.restype = ctypes.c_int
-        _configured = True
-    return lib
+    return native.require(_configure)
 
 
 def available() -> bool:

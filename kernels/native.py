@@ -168,6 +168,24 @@ def available() -> bool:
     return load() is not None
 
 
+_configure_lock = threading.Lock()
+_configured: set = set()
+
+
+def require(configure) -> ctypes.CDLL:
+    """The library, with `configure(lib)` (one module's ctypes signatures) applied once; RuntimeError
+    when it could not be built. Each kernel module's `_lib()` is this with its own `configure`."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if configure not in _configured:
+        with _configure_lock:
+            if configure not in _configured:
+                configure(lib)
+                _configured.add(configure)
+    return lib
+
+
 # ---- projections: y = x @ W.T on weights packed once into 48-column panels (csrc/gemm.c) ----------
 PANEL = 48
 

@@ -39,31 +39,28 @@ MODES = ("int8", "exact")
 # vs 0.85 (Q4_K 576 x 1536) (benchmarks/quant_kernels.py, under load)
 PANEL_M = 16
 
-_configured = False
+
+def _configure(lib) -> None:
+    i64, fp, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.di_qgemm.argtypes = [i32, i32, fp, i64, fp, fp, fp, i64, fp, i64, i32, i64, i64, fp, i64]
+    lib.di_qgemm.restype = i32
+    lib.di_q8_quantize_rows.argtypes = [fp, i64, i64, i64, fp, fp, fp]
+    lib.di_q8_quantize_rows.restype = i32
+    lib.di_q_dequant_rows.argtypes = [fp, i64, i32, i64, fp, i64, fp]
+    lib.di_q_dequant_rows.restype = i32
+    lib.di_q_cpu_level.restype = i32
+    lib.di_qgemm_panel.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
+    lib.di_qgemm_panel.restype = i32
+    lib.di_qgemm_exact_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
+    lib.di_qgemm_exact_bound.restype = i32
+    lib.di_qgemm_int8_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
+    lib.di_qgemm_int8_bound.restype = i32
+    lib.di_qgemm_outer.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
+    lib.di_qgemm_outer.restype = i32
 
 
 def _lib():
-    global _configured
-    lib = native.load()
-    if lib is None:
-        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
-    if not _configured:
-        i64, fp, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.di_qgemm.argtypes = [i32, i32, fp, i64, fp, fp, fp, i64, fp, i64, i32, i64, i64, fp, i64]
-        lib.di_qgemm.restype = i32
-        lib.di_q8_quantize_rows.argtypes = [fp, i64, i64, i64, fp, fp, fp]
-        lib.di_q8_quantize_rows.restype = i32
-        lib.di_q_dequant_rows.argtypes = [fp, i64, i32, i64, fp, i64, fp]
-        lib.di_q_dequant_rows.restype = i32
-        lib.di_q_cpu_level.restype = i32
-        lib.di_qgemm_panel.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
-        lib.di_qgemm_panel.restype = i32
-        lib.di_qgemm_exact_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
-        lib.di_qgemm_exact_bound.restype = i32
-        lib.di_qgemm_int8_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
-        lib.di_qgemm_int8_bound.restype = i32
-        _configured = True
-    return lib
+    return native.require(_configure)
 
 
 def available() -> bool:
@@ -284,24 +281,15 @@ def pack(w: torch.Tensor, fmt: int) -> QuantWeight:
 
 
 # ---- many rows, default mode: dequantised 16-row panels and an outer-product tile (csrc/qgemm_outer.c)
-_outer = None
-
-
 def qlinear_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ W.T (+ bias) through csrc/qgemm_outer.c: one fixed order per output whatever M
     (so a row does not depend on the batch), but not the row kernels' order: for the default mode at
     PANEL_M+ rows, not the batch-invariant one. Without AVX2 it runs `qlinear`'s exact mode."""
-    global _outer
     lib = _lib()
-    if _outer is None:
-        i64, fp, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.di_qgemm_outer.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
-        lib.di_qgemm_outer.restype = i32
-        _outer = lib.di_qgemm_outer
     x = _check_x("qlinear_outer", x, w.k)
     m = x.shape[0]
     out = torch.empty(m, w.n, dtype=torch.float32)
-    if m and _outer(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k,
+    if m and lib.di_qgemm_outer(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k,
                     out.data_ptr(), out.stride(0)):
         return qlinear(x, w, bias, mode="exact")
     if bias is not None:

@@ -46,25 +46,24 @@ int di_apply_bitmask_f32(float *logits, int64_t ld, int64_t V, const int32_t *ma
     return 0;
 }
 
+/* t runs over the allowed token ids below V of one mask row, ascending (`continue` goes to the next) */
+#define FOR_EACH_ALLOWED(mask, W, V, t)                                                 \
+    for (int64_t w_ = 0; w_ < (W) && w_ * 32 < (V); w_++)                               \
+        for (uint32_t word_ = (uint32_t)(mask)[w_]; word_; word_ &= word_ - 1u)         \
+            for (int64_t t = w_ * 32 + __builtin_ctz(word_), once_ = 1; once_ && t < (V); once_ = 0)
+
 /* first_byte[t]: token t's first byte, or -1 (special or empty token: never forces a byte).
  * Returns the shared first byte (0-255), -1 when no allowed token has one, -2 when two bytes differ. */
 int di_bitmask_forced_byte(const int32_t *mask, int64_t W, const int16_t *first_byte, int64_t V) {
     int found = -1;
-    for (int64_t w = 0; w < W && w * 32 < V; w++) {
-        uint32_t word = (uint32_t)mask[w];
-        while (word) {
-            const int64_t t = w * 32 + __builtin_ctz(word);
-            word &= word - 1u;
-            if (t >= V)
-                break;
-            const int b = first_byte[t];
-            if (b < 0)
-                continue;
-            if (found < 0)
-                found = b;
-            else if (b != found)
-                return -2;
-        }
+    FOR_EACH_ALLOWED(mask, W, V, t) {
+        const int b = first_byte[t];
+        if (b < 0)
+            continue;
+        if (found < 0)
+            found = b;
+        else if (b != found)
+            return -2;
     }
     return found;
 }
@@ -75,17 +74,10 @@ int di_bitmask_forced_byte(const int32_t *mask, int64_t W, const int16_t *first_
  * vocabulary; a JSON object's closing path is 20+ steps, walked again for each candidate checked). */
 int64_t di_bitmask_min_rank(const int32_t *mask, int64_t W, const int64_t *rank, int64_t V) {
     int64_t best = -1, best_rank = 0;
-    for (int64_t w = 0; w < W && w * 32 < V; w++) {
-        uint32_t word = (uint32_t)mask[w];
-        while (word) {
-            const int64_t t = w * 32 + __builtin_ctz(word);
-            word &= word - 1u;
-            if (t >= V)
-                break;
-            if (best < 0 || rank[t] < best_rank) {
-                best = t;
-                best_rank = rank[t];
-            }
+    FOR_EACH_ALLOWED(mask, W, V, t) {
+        if (best < 0 || rank[t] < best_rank) {
+            best = t;
+            best_rank = rank[t];
         }
     }
     return best;
