@@ -76,12 +76,11 @@ def _quant_mode(name: str, device: torch.device) -> str | None:
     "auto" on CPU keeps a GGUF checkpoint's block-quantised weights as stored and runs the exact mode
     (dequantised in registers against fp32 activations; a checkpoint without such tensors, or a model
     directory, runs fp32 as before). Measured side by side on this 2-core AVX2 host
-    (benchmarks/throughput.py --precisions float32 quantized_exact quantized, SmolLM2 Q4_1, 32 new
-    tokens, best of 3, nothing else running): quantized_exact / fp32 = 3.01x at batch 1, 1.61x at 8,
-    1.27x at 32, 1.07x at 128 (int8: 2.72 / 1.40 / 1.28 / 1.09x), with resident weights 1.02x the
-    file instead of 11x; greedy answers equal to fp32 on 8/8 prompts, logprobs within 3.4e-5. The
-    int8 mode ("quantized": 5/8 equal) stays an explicit choice. Without the native kernels (no C
-    compiler) auto stays fp32."""
+    (benchmarks/throughput.py, SmolLM2 Q4_1, 64 new tokens, best of 2-4, nothing else running):
+    quantized_exact / fp32 = 4.99x at batch 1, 2.07x at 8, 1.25x at 32, 1.16x at 128, with resident
+    weights 1.02x the file instead of 11x; greedy answers equal to fp32 on 8/8 prompts, logprobs
+    within 6e-5. The int8 mode ("quantized": 1.4x quantized_exact at batch 1, 6/8 greedy answers
+    equal) stays an explicit choice. Without the native kernels (no C compiler) auto stays fp32."""
     if name == "auto":
         if device.type != "cpu":
             return None
