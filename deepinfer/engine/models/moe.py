@@ -36,6 +36,7 @@ from torch import nn
 
 from deepinfer.engine.attention import ForwardContext
 from deepinfer.engine.moe_config import MoeConfig, MoeConfigError
+from deepinfer_kernels import moe_route
 
 
 def _sigmoid_rows(z: torch.Tensor, width: int = 64, rows: int = 256) -> torch.Tensor:
@@ -154,27 +155,12 @@ class MoeBlock(nn.Module):
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
+        route = moe_route.route_reference
+        kw = {"sigmoid": _sigmoid_rows}
         if self.route_kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
-            return self.route_kernel(logits, m.top_k, m.scoring, self.score_bias, m.n_group, m.topk_group,
-                                     m.group_score, m.norm_topk_prob, m.routed_scaling_factor)
-        scores = torch.softmax(logits.float(), dim=-1) if m.scoring == "softmax" else _sigmoid_rows(logits.float())
-        choice = scores + self.score_bias if self.score_bias is not None else scores
-        if m.n_group > 1:
-            T = choice.shape[0]
-            grouped = choice.view(T, m.n_group, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1) if m.group_score == "top2_sum" else grouped.amax(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, torch.topk(group_scores, m.topk_group, dim=-1).indices, True)
-            # (a [T, groups, 1] mask broadcast over each group's experts: repeat_interleave of the
-            # mask was the slowest routing op at 32 tokens)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
-        idx = torch.topk(choice, m.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if m.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if m.scoring == "sigmoid" else 0.0))
-        if m.routed_scaling_factor == 1.0:
-            return w, idx
-        return w * m.routed_scaling_factor, idx
+            route, kw = self.route_kernel, {}
+        return route(logits.float(), m.top_k, m.scoring, self.score_bias, m.n_group, m.topk_group, m.group_score,
+                     m.norm_topk_prob, m.routed_scaling_factor, **kw)
 
     # ---- experts --------------------------------------------------------------------------------
     def _expert(self, x: torch.Tensor, e: int, meta: ForwardContext) -> torch.Tensor:
