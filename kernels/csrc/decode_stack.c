@@ -20,12 +20,8 @@
 
 #include "qgemm.h"
 
-/* the per-op path's kernels: qgemm.c's entry points (their signatures are kept stable for callers
- * like this one), rmsnorm.c, rope_store_kv.c, token_attention.c, silu_mul.c */
-int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx, const float *xs, const float *xsum,
-             int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N, int64_t K, float *y, int64_t ldy);
-int di_q8_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *scale, float *bsum);
-int di_qgemm_exact_bound(const int64_t *wargs, const float *x, int64_t M, float *y);
+/* the per-op path's kernels: the quantised projections (qgemm.h), rmsnorm.c, rope_store_kv.c,
+ * token_attention.c, silu_mul.c */
 int di_add_rmsnorm_f32(const float *x, const float *residual, const float *w, float eps, float *out,
                        float *res_out, int64_t M, int64_t D);
 int di_rope_store_kv_f32(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,

@@ -39,8 +39,6 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
     }
 }
 
-static inline v16 silu16(v16 g) { return g / (1.f + exp16(-g)); }
-
 /* Writes columns [n0, n0 + ncols) of rows r of y; ncols < NR only in the last (padded) panel. */
 static inline __attribute__((always_inline)) void store_tile(const int mr, v16 acc[MR][3], float *y, int64_t ldy,
                                                              int64_t ncols, const float *bias) {

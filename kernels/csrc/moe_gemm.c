@@ -155,7 +155,7 @@ static inline vf splat(float x) { return (vf){0} + x; }
 #endif
 
 /* exp(x), x clamped to [-87, 88]: 2^n * p(f), n = round(x / ln 2), f in [-0.35, 0.35], p the
- * degree-7 Taylor polynomial (the same scheme as vec16.h's exp16, at this file's vector width). */
+ * degree-7 Taylor polynomial (the same scheme as vec16.h's exp16_nonpos, at this file's vector width). */
 static inline vf expv(vf x) {
     const vf lo = splat(-87.0f), hi = splat(88.0f);
     vi m = x < lo;

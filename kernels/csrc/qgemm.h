@@ -1,5 +1,6 @@
 /* Shared declarations of the quantised-weight kernels (qgemm.c: 32-element formats and the driver;
- * qgemm_k.c: GGUF k-quants; qgemm_panel.c: the large-M path). */
+ * qgemm_k.c: GGUF k-quants; qgemm_i8.c: the int8 mode; qgemm_panel.c / qgemm_outer.c: many rows), and
+ * the entry points other kernels call (decode_stack.c). */
 #ifndef DEEPINFER_QGEMM_H
 #define DEEPINFER_QGEMM_H
 #include <stdint.h>
@@ -8,6 +9,13 @@
 #define QK_K 256 /* elements per super-block of Q4_K / Q6_K */
 enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_Q4_K = 12, FMT_Q6_K = 14 }; /* ggml type ids */
 enum { DI_Q_EXACT = 0, DI_Q_INT8 = 1 };
+
+/* y = x @ W.T (qgemm.c's driver; mode DI_Q_EXACT reads x, DI_Q_INT8 qx / xs / xsum) and the same for a
+ * weight bound once, wargs = {W's address, row bytes, format, N, K} (quant.RowKernel) */
+int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx, const float *xs, const float *xsum,
+             int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N, int64_t K, float *y, int64_t ldy);
+int di_qgemm_exact_bound(const int64_t *wargs, const float *x, int64_t M, float *y);
+int di_qgemm_int8_bound(const int64_t *wargs, const float *x, int64_t M, float *y);
 
 int di_q_block_bytes(int fmt);
 int di_q_block_elems(int fmt);
