@@ -150,9 +150,13 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, m
                               w.n, w.k, out.data_ptr(), out.stride(0))
         if rc:
             raise KernelInputError(f"qlinear: the kernel refused format {w.fmt} with K = {w.k}")
+    return _add_bias("qlinear", out, bias)
+
+
+def _add_bias(name: str, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if bias is not None:
-        if bias.shape != (w.n,):
-            raise KernelInputError(f"qlinear: bias {tuple(bias.shape)} does not fit {w.n} outputs")
+        if bias.shape != (out.shape[1],):
+            raise KernelInputError(f"{name}: bias {tuple(bias.shape)} does not fit {out.shape[1]} outputs")
         out += bias
     return out
 
@@ -292,8 +296,4 @@ def qlinear_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = N
     if m and lib.di_qgemm_outer(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k,
                     out.data_ptr(), out.stride(0)):
         return qlinear(x, w, bias, mode="exact")
-    if bias is not None:
-        if bias.shape != (w.n,):
-            raise KernelInputError(f"qlinear_outer: bias {tuple(bias.shape)} does not fit {w.n} outputs")
-        out += bias
-    return out
+    return _add_bias("qlinear_outer", out, bias)
