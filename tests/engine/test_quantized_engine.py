@@ -18,20 +18,17 @@ PROMPTS = [[{"role": "user", "content": c}] for c in (
     "What is the capital of France?", "Write a haiku about rain.", "Explain photosynthesis in one sentence.",
     "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' to Spanish.",
     "What is 12 times 12?", "Give me a tip for learning Python.")]
-# prompt-token logprobs vs the fp32 path, max abs difference over the prompt set's likely tokens
-# (fp32 logprob > LIKELY). Measured on this machine: exact 3.4e-5 (the same dequantised weights,
-# another summation order); int8 0.30-0.34 (the activations rounded to 8 bits per 32-block, as
-# llama.cpp does). The int8 mode's unlikely tokens vary more, and by chance: three summation orders
-# of the same int8 arithmetic (each within 1e-7 relative of its float64 emulation) gave a max over
-# all tokens of 0.30, 0.80 and 0.81, each on a token of fp32 logprob -15 to -23. The native silu_mul
-# (csrc/silu_mul.c, in both paths since the decode stack) moves them as much: over all tokens 0.30 with
-# torch's silu, 0.84 native, 0.73 with silu in fp64 rounded once (greedy agreement on 32 prompts: 17
-# torch, 19 native, 19 fp64).
-LIKELY = -10.0
-LOGPROB_TOL = {"quantized_exact": 1e-3, "quantized": 0.6}
-# greedy outputs (24 tokens) identical to fp32's: measured exact 8/8; int8 5/8, 4/8 and 3/8 with those
-# three summation orders (one rounding flip in an activation block changes a trajectory)
-MIN_AGREE = {"quantized_exact": 7, "quantized": 3}
+# prompt-token logprobs vs the fp32 path, max abs difference over the prompt set. Prompts of 16+ tokens
+# run the projections through the outer-product kernel in both quantized modes (fp32 activations), so
+# measured on this machine: exact 5.6e-5 and int8 alike (the same dequantised weights, another
+# summation order). The int8 arithmetic (activations rounded to 8 bits per 32-block, as llama.cpp does)
+# runs at decode only (its prompt logprobs were 0.30-0.84 off when it ran the prompts too, depending on
+# the summation order and the silu): the greedy agreement below is its check.
+LOGPROB_TOL = {"quantized_exact": 1e-3, "quantized": 1e-3}
+# greedy outputs (24 tokens) identical to fp32's: measured exact 8/8; int8 6/8 (5/8, 4/8 and 3/8 with
+# other summation orders of the int8 kernel: one rounding flip in an activation block changes a
+# trajectory)
+MIN_AGREE = {"quantized_exact": 7, "quantized": 4}
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +62,9 @@ def test_logprobs_and_greedy_vs_fp32(engines, fp32_outputs, dtype):
         pa = [x.logprob for x in a.prompt_logprobs if x is not None]
         pb = [x.logprob for x in b.prompt_logprobs if x is not None]
         assert len(pa) == len(pb) > 10
-        worst = max(worst, max(abs(u - v) for u, v in zip(pa, pb) if u > LIKELY))
+        worst = max(worst, max(abs(u - v) for u, v in zip(pa, pb)))
         agree += a.token_ids == b.token_ids
-    print(f"{dtype}: greedy identical to fp32 on {agree}/{len(PROMPTS)} prompts; max prompt logprob diff {worst:.2e} (tokens of fp32 logprob > {LIKELY})")
+    print(f"{dtype}: greedy identical to fp32 on {agree}/{len(PROMPTS)} prompts; max prompt logprob diff {worst:.2e}")
     assert worst < LOGPROB_TOL[dtype]
     assert worst > 0  # another arithmetic indeed ran
     assert agree >= MIN_AGREE[dtype]
