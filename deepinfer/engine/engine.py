@@ -77,7 +77,8 @@ def _quant_mode(name: str, device: torch.device) -> str | None:
     (dequantised in registers against fp32 activations; a checkpoint without such tensors, or a model
     directory, runs fp32 as before). Measured side by side on this 2-core AVX2 host
     (benchmarks/throughput.py, SmolLM2 Q4_1, 64 new tokens, best of 2-4, nothing else running):
-    quantized_exact / fp32 = 4.99x at batch 1, 2.07x at 8, 1.25x at 32, 1.16x at 128, with resident
+    quantized_exact / fp32 = 4.99x at batch 1, 2.07x at 8, 1.25x at 32, 1.16x at 128 (an A/B of the
+    engine before and after, alternating processes, medians of 4: 5.17x, 1.19x, 0.98x), with resident
     weights 1.02x the file instead of 11x; greedy answers equal to fp32 on 8/8 prompts, logprobs
     within 6e-5. The int8 mode ("quantized": 1.4x quantized_exact at batch 1, 6/8 greedy answers
     equal) stays an explicit choice. Without the native kernels (no C compiler) auto stays fp32."""
