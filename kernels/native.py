@@ -154,8 +154,9 @@ def load() -> ctypes.CDLL | None:
         f.restype = ctypes.c_int
         lib.di_add_rmsnorm_f32.argtypes = [fp, fp, fp, ctypes.c_float, fp, fp, i64, i64]
         lib.di_add_rmsnorm_f32.restype = ctypes.c_int
-        lib.di_gemm_f32.argtypes = [fp, i64, i64, fp, i64, i64, ctypes.c_int, fp, fp, i64]
-        lib.di_gemm_f32.restype = ctypes.c_int
+        for g in (lib.di_gemm_f32, lib.di_gemm_bf16, lib.di_gemm_f16):
+            g.argtypes = [fp, i64, i64, fp, i64, i64, ctypes.c_int, fp, fp, i64]
+            g.restype = ctypes.c_int
         lib.di_rope_store_kv_f32.argtypes = [fp, i64, i64, i64, i64, i64, fp, fp, fp, i64, fp, fp, fp]
         lib.di_rope_store_kv_f32.restype = ctypes.c_int
         lib.di_silu_mul_f32.argtypes = [fp, i64, i64, i64, fp]
@@ -188,11 +189,16 @@ def require(configure) -> ctypes.CDLL:
 
 # ---- projections: y = x @ W.T on weights packed once into 48-column panels (csrc/gemm.c) ----------
 PANEL = 48
+# the panels' storage types: fp32, or a 16-bit checkpoint's values as stored (csrc/gemm_bf16.c and
+# gemm_f16.c: widened exactly in registers, so the result is bit for bit the fp32 kernel's on the
+# widened weights); activations, accumulation and outputs are fp32 in every case
+PANEL_DTYPES = {torch.float32: "di_gemm_f32", torch.bfloat16: "di_gemm_bf16", torch.float16: "di_gemm_f16"}
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight laid out for `linear` / `gated_linear`: panels [P (x2 when gated), K, 48]."""
+    """A weight laid out for `linear` / `gated_linear`: panels [P (x2 when gated), K, 48], in the
+    dtype it was packed from (fp32, bf16 or fp16)."""
 
     panels: torch.Tensor
     n: int  # output columns (gated: of each half)
@@ -208,17 +214,25 @@ def _panels(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
 
 
+def _dense_weight(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in PANEL_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+        raise KernelInputError(f"{name} must be a contiguous float32, bfloat16 or float16 CPU tensor, "
+                               f"got {t.dtype} on {t.device}")
+
+
 def pack_weight(w: torch.Tensor) -> PackedWeight:
-    """Pack an [N, K] fp32 weight for `linear` (a copy: the original is not referenced)."""
-    _dense_f32("pack_weight: w", w)
+    """Pack an [N, K] weight (fp32, bf16 or fp16, kept in that type) for `linear` (a copy: the
+    original is not referenced)."""
+    _dense_weight("pack_weight: w", w)
     if w.dim() != 2:
         raise KernelInputError(f"pack_weight: expected a 2-D weight, got shape {tuple(w.shape)}")
     return PackedWeight(_panels(w), w.shape[0], w.shape[1], False)
 
 
 def pack_gated_weight(w: torch.Tensor) -> PackedWeight:
-    """Pack a stacked [gate; up] weight [2I, K] for `gated_linear` (gate and up panels interleaved)."""
-    _dense_f32("pack_gated_weight: w", w)
+    """Pack a stacked [gate; up] weight [2I, K] for `gated_linear` (gate and up panels interleaved;
+    fp32, bf16 or fp16, kept in that type)."""
+    _dense_weight("pack_gated_weight: w", w)
     if w.dim() != 2 or w.shape[0] % 2:
         raise KernelInputError(f"pack_gated_weight: expected [2I, K], got shape {tuple(w.shape)}")
     g, u = _panels(w[: w.shape[0] // 2]), _panels(w[w.shape[0] // 2 :])
@@ -240,8 +254,9 @@ def _gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch
     m = x.shape[0]
     y = torch.empty(m, pw.n, dtype=torch.float32)
     if m:
-        lib.di_gemm_f32(x.data_ptr(), x.stride(0), m, pw.panels.data_ptr(), pw.k, pw.n, int(pw.gated),
-                        bias.data_ptr() if bias is not None else None, y.data_ptr(), pw.n)
+        gemm = getattr(lib, PANEL_DTYPES[pw.panels.dtype])
+        gemm(x.data_ptr(), x.stride(0), m, pw.panels.data_ptr(), pw.k, pw.n, int(pw.gated),
+             bias.data_ptr() if bias is not None else None, y.data_ptr(), pw.n)
     return y
 
 

@@ -13,23 +13,84 @@
  *
  * Gated variant (silu(x @ gate.T) * (x @ up.T)): the packer interleaves gate and up panels (2j is
  * gate columns 48j.., 2j+1 the same up columns); a tile computes both and writes the product.
+ *
+ * The panels' storage type: fp32, or (gemm_w16.c includes this file with GEMM_BF16 / GEMM_F16
+ * defined) a bf16 or fp16 checkpoint's own 16-bit values, widened to fp32 in registers as loaded.
+ * Both widenings are exact, and the multiply-add chain is this file's, so a 16-bit build computes
+ * bit for bit what the fp32 build computes on the same weights widened, reading half the bytes.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "vec16.h"
 
+#if defined(GEMM_BF16) || defined(GEMM_F16)
+typedef uint16_t wt_t;
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#if defined(GEMM_F16) && (defined(__AVX512F__) || defined(__F16C__))
+#include <immintrin.h>
+#endif
+#ifdef GEMM_BF16
+#define FN(name) name##_bf16
+/* 16 bf16 widened: zero-extended to 32 bits and shifted into the top half of each lane */
+static inline v16 wload16(const uint16_t *p) {
+    return (v16)(__builtin_convertvector(*(const u16x16 *)p, u32x16) << 16);
+}
+#else
+#define FN(name) name##_f16
+#if !defined(__AVX512F__) && !defined(__F16C__)
+/* one IEEE half to single, exactly (subnormal halves are normal singles) */
+static inline float h2f(uint16_t h) {
+    const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0x1f)
+        u = s | 0x7f800000u | (m << 13);
+    else if (e)
+        u = s | ((e + 112u) << 23) | (m << 13);
+    else {
+        const float f = (float)m * 0x1p-24f; /* exact: m < 2^10 */
+        memcpy(&u, &f, 4);
+        u |= s;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#endif
+/* 16 fp16 widened (vcvtph2ps: exact) */
+static inline v16 wload16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+    float t[16];
+#if defined(__F16C__)
+    _mm256_storeu_ps(t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
+    _mm256_storeu_ps(t + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+#else
+    for (int i = 0; i < 16; ++i) t[i] = h2f(p[i]);
+#endif
+    return load16(t);
+#endif
+}
+#endif
+#else
+typedef float wt_t;
+#define FN(name) name##_f32
+static inline v16 wload16(const float *p) { return load16(p); }
+#endif
+
 #define NR 48
 #define MR 8
 
 /* acc[r][0..2] = x[r, :] . panel (all k, in order) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *x, int64_t ldx,
-                                                             const float *w, int64_t K, v16 acc[MR][3]) {
+                                                             const wt_t *w, int64_t K, v16 acc[MR][3]) {
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = splat16(0.f);
     for (int64_t k = 0; k < K; ++k) {
-        const float *wk = w + k * NR;
-        const v16 w0 = load16(wk), w1 = load16(wk + 16), w2 = load16(wk + 32);
+        const wt_t *wk = w + k * NR;
+        const v16 w0 = wload16(wk), w1 = wload16(wk + 16), w2 = wload16(wk + 32);
         for (int r = 0; r < mr; ++r) {
             const v16 xb = splat16(x[r * ldx + k]);
             acc[r][0] += xb * w0;
@@ -56,7 +117,7 @@ static inline __attribute__((always_inline)) void store_tile(const int mr, v16 a
     }
 }
 
-static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx, const float *wp,
+static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx, const wt_t *wp,
                                                        int64_t K, int64_t p, int gated, float *y, int64_t ldy,
                                                        int64_t ncols, const float *bias) {
     v16 acc[MR][3];
@@ -75,7 +136,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
 
 /* x: [M, K] rows ldx apart; wp: packed panels (2 * P of them when gated); y: [M, N] rows ldy apart,
  * N = output columns (for gated: the gate/up width); bias: [N] or NULL (not with gated). */
-int di_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *wp, int64_t K, int64_t N, int gated,
+int FN(di_gemm)(const float *x, int64_t ldx, int64_t M, const wt_t *wp, int64_t K, int64_t N, int gated,
                 const float *bias, float *y, int64_t ldy) {
     const int64_t P = (N + NR - 1) / NR;
     const int64_t tiles = (M + MR - 1) / MR;

@@ -136,6 +136,25 @@ def test_gated_linear_matches_silu_times_up_and_is_row_invariant():
         assert torch.equal(native.gated_linear(x[:m], pw), out[:m])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(100, 70), (1536, 576)])
+def test_16bit_panels_compute_bit_for_bit_what_fp32_panels_compute_on_the_widened_weights(dtype, n, k):
+    g = torch.Generator().manual_seed(8)
+    w16 = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    if dtype == torch.float16:  # subnormal halves widen to normal singles: exercise them too
+        w16[0, :8] = torch.tensor([6e-8, -6e-8, 3e-6, -1e-5, 0.0, -0.0, 6e-5, 65504.0]).to(dtype)
+    x, b = torch.randn(13, k, generator=g), torch.randn(n, generator=g)
+    pw16, pw32 = native.pack_weight(w16), native.pack_weight(w16.float())
+    assert pw16.panels.dtype == dtype and pw16.panels.nbytes * 2 == pw32.panels.nbytes
+    for m in (1, 8, 13):
+        assert torch.equal(native.linear(x[:m], pw16, b), native.linear(x[:m], pw32, b)), m
+    gw16 = w16[: 2 * (n // 2)].contiguous()
+    got = native.gated_linear(x, native.pack_gated_weight(gw16))
+    assert torch.equal(got, native.gated_linear(x, native.pack_gated_weight(gw16.float())))
+    with pytest.raises(KernelInputError, match="float32, bfloat16 or float16"):
+        native.pack_weight(w16.double())
+
+
 def test_linear_rejects_bad_inputs():
     pw = native.pack_weight(torch.randn(10, 8))
     with pytest.raises(KernelInputError, match=r"\[M, 8\]"):
