@@ -45,7 +45,10 @@ def make_tokenizer_files(path: pathlib.Path, vocab_size: int = 384) -> int:
     return tok.get_vocab_size()
 
 
-def make_tiny_model(path: pathlib.Path, arch: str, *, tie: bool = False, seed: int = 0, shard: bool = False) -> pathlib.Path:
+def make_tiny_model(path: pathlib.Path, arch: str, *, tie: bool = False, seed: int = 0, shard: bool = False,
+                    dtype: torch.dtype = torch.float32, **overrides) -> pathlib.Path:
+    """dtype: the checkpoint's storage type (the weights are drawn in fp32, then rounded to it);
+    overrides: config fields other than the defaults below (hidden_size=96, ...)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -63,6 +66,7 @@ def make_tiny_model(path: pathlib.Path, arch: str, *, tie: bool = False, seed: i
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(overrides)
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
         cls = transformers.LlamaForCausalLM
@@ -84,5 +88,6 @@ def make_tiny_model(path: pathlib.Path, arch: str, *, tie: bool = False, seed: i
             elif "bias" in name:
                 p.normal_(0, 0.05)
     kwargs = {"max_shard_size": "200KB"} if shard else {}
+    model.to(dtype)
     model.save_pretrained(str(path), **kwargs)
     return path

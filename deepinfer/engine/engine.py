@@ -123,8 +123,10 @@ class Engine:
             from deepinfer.distributed.ep_runner import weight_filter
 
             tensor_filter = weight_filter(cfg)
+        # auto on CPU: a bf16 / fp16 model directory's projections stay 16-bit (weights16.py)
+        keep_16bit = cfg.dtype == "auto" and self.device.type == "cpu" and cfg.expert_parallel_size == 1
         loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=quant_mode is not None,
-                            tensor_filter=tensor_filter)
+                            tensor_filter=tensor_filter, keep_16bit=keep_16bit)
         if cfg.dtype in QUANT_DTYPES and not loaded.quantized:
             raise InvalidRequestError(f"dtype={cfg.dtype!r} needs a GGUF checkpoint with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors; "
                                       f"{loaded.source} has none")
@@ -143,7 +145,7 @@ class Engine:
                 return
         else:
             self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
-                                      quantized=loaded.quantized, quant_mode=quant_mode)
+                                      quantized=loaded.quantized, quant_mode=quant_mode, keep_16bit=keep_16bit)
         del loaded
         # one KV pool, or one per data-parallel attention rank (expert parallelism)
         self.kv = make_kv(getattr(self.runner, "kv_ranks", 1), self.runner.num_blocks, cfg.block_size,
@@ -151,7 +153,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv)
         self.stats = EngineStats()
         self.stats.weight_bytes, self.stats.checkpoint_bytes = self.runner.weight_bytes(), _checkpoint_bytes(self.model_source)
-        self.precision = self.runner.precision  # "float32", "quantized-int8" or "quantized-exact"
+        # "float32", "quantized-int8", "quantized-exact", "bfloat16-weights" or "float16-weights"
+        self.precision = self.runner.precision
         # token ids that end generation: the tokenizer's EOS set plus the model config's
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.vocab_size = self.model_config.vocab_size

@@ -47,9 +47,11 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  quantized: dict | None = None, quant_mode: str | None = None, model_hook=None,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, keep_16bit: bool = False):
         """model_hook(model): called between building the model and loading its weights (expert
         parallelism: a worker keeps only its own experts, deepinfer/distributed/ep_model.py).
+        keep_16bit: a bf16 / fp16 checkpoint's projections (given as stored in `weights`) stay in 16-bit
+        panels on CPU fp32 where it qualifies (weights16.py); otherwise they load converted to `dtype`.
         num_blocks: the KV pool's size in blocks (a draft model's runner mirrors the target's block
         ids); None sizes it from the config's memory budget."""
         self.config = config
@@ -60,6 +62,13 @@ class ModelRunner:
         self.model = build_model(model_config)
         if model_hook is not None:
             model_hook(self.model)
+        self.kept_16bit = None  # {HF name: 16-bit tensor} until _select_linear packs them
+        if keep_16bit and device.type == "cpu" and dtype == torch.float32 and not (quantized and quant_mode):
+            from deepinfer.engine.weights16 import split_16bit
+
+            split = split_16bit(self.model, weights, model_config, config.cpu_prepack)
+            if split is not None:
+                weights, self.kept_16bit = split
         self.model.load_weights(weights, dtype, device)
         self.model.eval()
         # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
@@ -149,6 +158,13 @@ class ModelRunner:
 
         invariant = self.config.batch_invariant
         on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if self.kept_16bit is not None:
+            from deepinfer.engine.weights16 import NAMES, install_16bit
+
+            lin = install_16bit(self.model, self.kept_16bit, invariant=invariant)
+            self.kept_16bit = None  # the panels are the only copy now
+            self.precision = f"{NAMES[lin.dtype]}-weights"
+            return lin
         if on_cpu_fp32 and quantized and quant_mode:
             from deepinfer.engine.quant_linear import install_quantized
 

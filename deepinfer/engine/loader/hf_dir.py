@@ -62,9 +62,11 @@ def _confined_shard(index: Path, shard: str) -> PurePosixPath:
     return p
 
 
-def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None, keep_16bit: bool = False
+                 ) -> dict[str, torch.Tensor]:
     """All tensors of the directory's safetensors checkpoint (those `keep(name)` keeps, when given;
-    the rest named in `skipped`), converted to fp32."""
+    the rest named in `skipped`), converted to fp32; with `keep_16bit`, bf16 and fp16 tensors stay as
+    stored (the model's weight loading converts what it does not keep in 16 bits: weights16.py)."""
     single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
     if single.is_file():
         tensors = _load_safetensors(single, keep, skipped)
@@ -89,16 +91,17 @@ def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None) ->
     for name, t in tensors.items():
         if not t.is_floating_point():
             raise ModelLoadError(f"{model_dir}: tensor {name} has dtype {t.dtype}; quantised HF checkpoints are not supported")
-        if t.dtype != torch.float32:
+        if t.dtype != torch.float32 and not (keep_16bit and t.dtype in (torch.bfloat16, torch.float16)):
             tensors[name] = t.float()  # compute is fp32 on CPU: bf16 matmul is far slower there
     return tensors
 
 
-def load_hf_dir(model_dir: Path, tensor_filter=None, skipped: set[str] | None = None
+def load_hf_dir(model_dir: Path, tensor_filter=None, skipped: set[str] | None = None, keep_16bit: bool = False
                 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """(config, fp32 weights, tokenizer) of an HF model directory; weights are not yet checked.
-    tensor_filter(config) -> keep(name): read only the tensors it keeps (the rest go to `skipped`)."""
+    tensor_filter(config) -> keep(name): read only the tensors it keeps (the rest go to `skipped`).
+    keep_16bit: bf16 / fp16 tensors stay as stored (see read_weights)."""
     config = read_config(model_dir)
-    weights = read_weights(model_dir, tensor_filter(config) if tensor_filter else None, skipped)
+    weights = read_weights(model_dir, tensor_filter(config) if tensor_filter else None, skipped, keep_16bit)
     tokenizer = Tokenizer.from_dir(model_dir)
     return config, weights, tokenizer

@@ -52,12 +52,15 @@ def default_model_path() -> Path:
 
 
 def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
-               use_cache: bool = True, keep_quantized: bool = False, tensor_filter=None) -> LoadedModel:
+               use_cache: bool = True, keep_quantized: bool = False, tensor_filter=None,
+               keep_16bit: bool = False) -> LoadedModel:
     """Load `model`: None (the default model), an HF model directory, or a `.gguf` file.
 
     GGUF files are converted once and cached as fp32 safetensors under `cache_dir` (default
     `$DEEPINFER_CACHE_DIR` or `~/.cache/deepinfer/models`); `use_cache=False` skips the cache.
     `keep_quantized`: also return a GGUF's block-quantised tensors as stored (`LoadedModel.quantized`).
+    `keep_16bit`: a model directory's bf16 / fp16 tensors stay as stored (not converted to fp32), for
+    the runner to keep its projections in 16 bits (weights16.py) or convert them as it loads.
     `tensor_filter(config) -> keep(name)`: read only the tensors keep() keeps from a model directory
     (an expert-parallel rank: its own experts); the others must exist and are not checked here.
     Raises ModelLoadError (UnsupportedArchitectureError for unknown architectures) naming the problem.
@@ -66,7 +69,7 @@ def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.Pa
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir():
-        return _from_dir(path, source=str(path), tensor_filter=tensor_filter)
+        return _from_dir(path, source=str(path), tensor_filter=tensor_filter, keep_16bit=keep_16bit)
     if path.suffix.lower() == ".gguf":
         return _from_gguf_quantized(path) if keep_quantized else _from_gguf(path, cache_dir, use_cache)
     raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
@@ -91,9 +94,9 @@ def _finish(config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: To
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=source)
 
 
-def _from_dir(path: Path, source: str, tensor_filter=None) -> LoadedModel:
+def _from_dir(path: Path, source: str, tensor_filter=None, keep_16bit: bool = False) -> LoadedModel:
     skipped: set[str] = set()
-    config, weights, tokenizer = hf_dir.load_hf_dir(path, tensor_filter, skipped)
+    config, weights, tokenizer = hf_dir.load_hf_dir(path, tensor_filter, skipped, keep_16bit)
     return _finish(config, weights, tokenizer, source, skipped)
 
 

@@ -1,0 +1,129 @@
+"""A bf16 or fp16 checkpoint's projections kept in their own 16-bit storage on CPU (Engine(dtype="auto")
+on such a model directory; activations, KV cache and accumulation stay fp32).
+
+`split_16bit(model, weights, ...)` decides whether the checkpoint qualifies (a dense model whose every
+projection and embedding tensor is stored in one 16-bit type, on a CPU where the native panel GEMM
+is the runner's linear) and, if so, takes those tensors out of the weights the model loads, handing
+it placeholders (placeholder.py) instead: no fp32 copy of them is ever made, and anything that read
+one as a weight would get NaN, never a stale number. `install_16bit` then packs each projection once
+into 16-bit panels for the native GEMM (csrc/gemm_bf16.c, gemm_f16.c) and returns `Linear16`, which
+finds them by the placeholder's storage address, as `CpuLinear` does for its packed copies.
+
+The 16-bit kernels widen each weight exactly in registers and keep the fp32 kernel's multiply-add
+order, so logits are bit for bit those of Engine(dtype="float32") on the same checkpoint, and the
+batch-invariant mode holds as it does there. A tied embedding is looked up in the LM head's panels
+(no second copy); an untied one stays a 16-bit [V, K] tensor. Resident weights are then about the
+checkpoint's bytes (panels are zero-padded to 48 output columns) instead of 2x for fp32 panels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.engine.placeholder import is_placeholder, placeholder
+from deepinfer.errors import ModelLoadError
+
+DTYPES = (torch.bfloat16, torch.float16)
+NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepack: bool = True
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """(weights with placeholders for the tensors kept in 16 bits, {HF name: 16-bit tensor}), or None
+    when this checkpoint / machine does not qualify (the caller loads `weights` as they are, converted
+    to the runner's dtype). `model` is built but not yet loaded."""
+    from deepinfer.engine.cpu_linear import native_gemm_preferred
+
+    if not cpu_prepack or model_config.moe is not None or model_config.mla is not None:
+        return None
+    if not hasattr(model, "projection_sources") or not native_gemm_preferred():
+        return None
+    names = [n for _, ns in model.projection_sources() for n in ns]
+    kinds = {weights[n].dtype if n in weights else None for n in names}
+    if len(kinds) != 1 or next(iter(kinds)) not in DTYPES:
+        return None  # fp32 (or mixed) projections: fp32 panels as before
+    kept = {n: weights[n] for n in names}
+    rest = {n: (placeholder(tuple(t.shape)) if n in kept else t) for n, t in weights.items()}
+    return rest, kept
+
+
+class Linear16:
+    """Callable ``(x, w, b) -> x @ w.T + b`` for the placeholder weights made by `install_16bit`
+    (others: F.linear, refused in the batch-invariant mode), plus ``silu_mul(x, [gate; up])``."""
+
+    def __init__(self, packed: dict, packed_gated: dict, dtype: torch.dtype, invariant: bool = False):
+        from deepinfer_kernels import native
+
+        self._native = native
+        self.packed = packed  # placeholder storage address -> native.PackedWeight (16-bit panels)
+        self.packed_gated = packed_gated
+        self.dtype = dtype
+        self.invariant = invariant
+
+    def _flat(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        pw = self.packed.get(w.data_ptr())
+        if pw is None:
+            if self.invariant or is_placeholder(w):
+                raise RuntimeError(f"16-bit linear called with a weight it does not hold {tuple(w.shape)}")
+            import torch.nn.functional as F
+
+            return F.linear(x, w, b)
+        y = self._native.linear(self._flat(x), pw, b)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], pw.n)
+
+    def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) for a stacked [gate; up] weight, fused in the GEMM's registers."""
+        pw = self.packed_gated.get(w.data_ptr())
+        if pw is None:
+            raise RuntimeError(f"16-bit silu_mul called with a weight it does not hold {tuple(w.shape)}")
+        y = self._native.gated_linear(self._flat(x), pw)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], pw.n)
+
+
+def _panel_rows(pw, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the [N, K] weight packed in pw (columns of its [P, K, 48] panels), as fp32."""
+    from deepinfer_kernels.native import PANEL
+
+    flat = ids.reshape(-1)
+    return pw.panels[flat // PANEL, :, flat % PANEL].float().view(*ids.shape, pw.k)
+
+
+def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False) -> Linear16:
+    """Pack every projection of the model (loaded with `split_16bit`'s placeholders) from `kept` into
+    16-bit panels; the embedding lookups read the tied LM head's panels, or the untied 16-bit matrix."""
+    from deepinfer_kernels import native
+
+    linear = {w.data_ptr() for w in model.linear_weights()}
+    gated = {w.data_ptr() for w in model.gated_weights()}
+    packed, packed_gated = {}, {}
+    dtype = next(iter(kept.values())).dtype
+    embed_rows = None
+    for param, names in model.projection_sources():
+        ph = param.data
+        if not is_placeholder(ph):
+            raise ModelLoadError(f"{names[0]}: expected a 16-bit placeholder after loading")
+        w16 = kept[names[0]] if len(names) == 1 else torch.cat([kept[n] for n in names], 0)
+        key = ph.data_ptr()
+        if key in gated:
+            packed_gated[key] = native.pack_gated_weight(w16.contiguous())
+        elif key in linear:
+            packed[key] = native.pack_weight(w16.contiguous())
+        if param is model.embed_tokens:
+            if key in packed:  # tied: the LM head's panels serve the lookups too
+                pw = packed[key]
+                embed_rows = lambda ids, pw=pw: _panel_rows(pw, ids)  # noqa: E731
+            else:
+                param.data = w16.contiguous()
+                embed_rows = lambda ids, w=param.data: torch.nn.functional.embedding(ids, w).float()  # noqa: E731
+        elif key not in packed and key not in packed_gated:
+            raise ModelLoadError(f"{names[0]}: a projection the model does not run through its linear")
+    left = [w.shape for w in model.linear_weights() + model.gated_weights()
+            if w.data_ptr() not in packed and w.data_ptr() not in packed_gated]
+    if left:
+        raise ModelLoadError(f"no 16-bit panels for projections of shapes {left[:3]}")
+    model.set_embedding_impl(embed_rows)
+    return Linear16(packed, packed_gated, dtype, invariant)
+
