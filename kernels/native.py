@@ -207,11 +207,28 @@ class PackedWeight:
 
 
 def _panels(w: torch.Tensor) -> torch.Tensor:
+    """[P, K, 48] (fp32, fp16), or for bf16 [P, K/2, 48, 2]: rows k and k + 1 of each column side by
+    side (K padded to even with zeros), the layout csrc/gemm.c's bf16 build widens with one op."""
     n, k = w.shape
     p = -(-n // PANEL)
     if p * PANEL != n:
         w = torch.cat([w, w.new_zeros(p * PANEL - n, k)])
-    return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
+    if w.dtype != torch.bfloat16:
+        return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
+    if k % 2:
+        w = torch.cat([w, w.new_zeros(p * PANEL, 1)], 1)
+    return w.reshape(p, PANEL, -1, 2).transpose(1, 2).contiguous()
+
+
+def packed_rows(pw: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of the [N, K] weight packed in pw, widened to fp32: [*ids.shape, K]
+    (an embedding lookup on a tied LM head's panels)."""
+    if pw.gated:
+        raise KernelInputError("packed_rows: a gated weight holds two matrices")
+    flat = ids.reshape(-1)
+    p, c = flat // PANEL, flat % PANEL
+    rows = pw.panels[p, :, c] if pw.panels.dim() == 3 else pw.panels[p, :, c, :].flatten(1)[:, : pw.k]
+    return rows.float().view(*ids.shape, pw.k)
 
 
 def _dense_weight(name: str, t: torch.Tensor) -> None:

@@ -83,14 +83,6 @@ class Linear16:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], pw.n)
 
 
-def _panel_rows(pw, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the [N, K] weight packed in pw (columns of its [P, K, 48] panels), as fp32."""
-    from deepinfer_kernels.native import PANEL
-
-    flat = ids.reshape(-1)
-    return pw.panels[flat // PANEL, :, flat % PANEL].float().view(*ids.shape, pw.k)
-
-
 def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False) -> Linear16:
     """Pack every projection of the model (loaded with `split_16bit`'s placeholders) from `kept` into
     16-bit panels; the embedding lookups read the tied LM head's panels, or the untied 16-bit matrix."""
@@ -114,7 +106,7 @@ def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False)
         if param is model.embed_tokens:
             if key in packed:  # tied: the LM head's panels serve the lookups too
                 pw = packed[key]
-                embed_rows = lambda ids, pw=pw: _panel_rows(pw, ids)  # noqa: E731
+                embed_rows = lambda ids, pw=pw: native.packed_rows(pw, ids)  # noqa: E731
             else:
                 param.data = w16.contiguous()
                 embed_rows = lambda ids, w=param.data: torch.nn.functional.embedding(ids, w).float()  # noqa: E731

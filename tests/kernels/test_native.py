@@ -137,7 +137,7 @@ def test_gated_linear_matches_silu_times_up_and_is_row_invariant():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k", [(100, 70), (1536, 576)])
+@pytest.mark.parametrize("n,k", [(100, 70), (49, 33), (1536, 576)])
 def test_16bit_panels_compute_bit_for_bit_what_fp32_panels_compute_on_the_widened_weights(dtype, n, k):
     g = torch.Generator().manual_seed(8)
     w16 = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
@@ -145,12 +145,17 @@ def test_16bit_panels_compute_bit_for_bit_what_fp32_panels_compute_on_the_widene
         w16[0, :8] = torch.tensor([6e-8, -6e-8, 3e-6, -1e-5, 0.0, -0.0, 6e-5, 65504.0]).to(dtype)
     x, b = torch.randn(13, k, generator=g), torch.randn(n, generator=g)
     pw16, pw32 = native.pack_weight(w16), native.pack_weight(w16.float())
-    assert pw16.panels.dtype == dtype and pw16.panels.nbytes * 2 == pw32.panels.nbytes
+    assert pw16.panels.dtype == dtype  # half the bytes (bf16 pads an odd K by one row: rows k, k + 1 pair up)
+    assert pw16.panels.nbytes * 2 == pw32.panels.nbytes * (k + k % 2 if dtype == torch.bfloat16 else k) // k
     for m in (1, 8, 13):
         assert torch.equal(native.linear(x[:m], pw16, b), native.linear(x[:m], pw32, b)), m
     gw16 = w16[: 2 * (n // 2)].contiguous()
     got = native.gated_linear(x, native.pack_gated_weight(gw16))
     assert torch.equal(got, native.gated_linear(x, native.pack_gated_weight(gw16.float())))
+    # rows read back from the panels (a tied embedding's lookups) are the weight's rows, widened
+    ids = torch.tensor([[0, n - 1], [n // 2, 3]])
+    assert torch.equal(native.packed_rows(pw16, ids), w16.float()[ids])
+    assert torch.equal(native.packed_rows(pw32, ids), w16.float()[ids])
     with pytest.raises(KernelInputError, match="float32, bfloat16 or float16"):
         native.pack_weight(w16.double())
 
