@@ -15,7 +15,8 @@ Two backends, measured on the reference 2-core CPU (AVX-512, fp32) against ``F.l
   re-packs the weight on every call; 1-4 rows take ``chunked_linear`` (MKL runs a GEMV on one
   thread). It is batch-invariant here for M >= 2 only, so the invariant mode pads one row to two.
 
-Either way the packed copy doubles the weights' memory. ``verify_invariance`` checks the invariant
+Either way the packed copy doubles the weights' memory (a bf16 / fp16 checkpoint under dtype="auto"
+avoids that: weights16.py keeps its projections in 16-bit native panels, with no fp32 copy). ``verify_invariance`` checks the invariant
 mode's property on the model's own shapes at start-up (a library property, not a guarantee).
 """
 

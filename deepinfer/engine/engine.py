@@ -53,8 +53,18 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The runner's compute dtype (activations, KV cache).
+
+    "auto" on CPU computes in fp32 (the native GEMM, attention and norms are fp32); what it stores the
+    weights in depends on the checkpoint: a GGUF's blocks as stored (`_quant_mode`), a bf16 / fp16
+    model directory's projections in 16-bit panels (weights16.py: the fp32 kernel's bits, half its
+    bytes), anything else fp32. Measured on the 2-core AVX-512 Zen 5 host, SmolLM2-135M saved as bf16
+    (benchmarks/weights16.py, 32 new tokens, medians of 3-4, arms alternating in one process): auto
+    (bf16 panels) / float32 = 1.72x tokens/s at batch 1, 1.47x at 8, 1.08-1.11x at 32, 0.94-1.07x at
+    128 over two runs (there the layers' GEMMs are compute-bound: 0.97-1.01x per call), with
+    resident weights 1.02x the checkpoint's bytes instead of 4.0x; "bfloat16" (torch's bf16 ops, no
+    native kernels) ran 0.62-0.83x float32 there, so auto never picks it on CPU."""
     if name == "auto":
-        # the CPU path's kernels (native GEMM, attention, norms) are fp32: compute in fp32 on CPU
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in QUANT_DTYPES:

@@ -87,3 +87,6 @@ def test_bf16_checkpoint_loads_as_fp32(hf_tiny_dir, tmp_path):
     w = m.weights["model.layers.0.mlp.up_proj.weight"]
     assert w.dtype == torch.float32
     assert torch.equal(w, sd["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16).float())
+    # keep_16bit: the same tensors as stored (the runner keeps or converts them, engine/weights16.py)
+    kept = load_model(d, keep_16bit=True).weights["model.layers.0.mlp.up_proj.weight"]
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept.float(), w)
