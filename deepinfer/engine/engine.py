@@ -278,9 +278,12 @@ class Engine:
         # On an idle engine a constraint whose `precompile` still runs is not waited for here: the
         # request is queued at once and prefilled while it compiles, and only its first sample
         # waits for the compile (StructuredOutputs.bind_pending; a compile error then finishes it
-        # with the error, as on a busy engine). Nothing else runs that the wait could hold up, and
-        # the prefill no longer waits out the compile: a fresh JSON schema compiled in 9-16 ms
-        # beside a 12-token prefill of 30-45 ms (benchmarks/programs.py workload c).
+        # with the error, as on a busy engine). Nothing else runs that the wait could hold up.
+        # What it saves is the compile's time where the forward leaves CPU to it: on the 2-core
+        # Zen 5 host the schema's compile (xgrammar, two threads, 9-10 ms) and the 12-token prefill
+        # (two OpenMP threads, 35-45 ms) both fill the two cores, and the batch's first output
+        # came no sooner (benchmarks/programs.py workload c, 10 compiled runs each: median 59 ms
+        # vs 57 ms compiling first).
         busy = self.scheduler.has_unfinished() or bool(self._compiling) or self._inflight is not None
         seq = self.inputs.new_sequence(request_id, ids, params, grammar_wait=0.0 if busy else None,
                                        adopt_precompile=not busy)

@@ -334,9 +334,9 @@ class Runtime:
                 continue
             if self.backend.compiling(e[3]):
                 # nothing in flight and an engine that prefills while compiling: submit it now, so
-                # its prefill runs beside the compile (the batch's first request: 100 programs with
-                # distinct schemas, the first schema's 9-16 ms compile was paid before a 30-45 ms
-                # prefill); otherwise keep stepping the others and submit it once compiled
+                # its prefill runs beside the compile instead of after it (the compiled batch's first
+                # request, whose schema compiles alone: Engine.add_request says what that saves);
+                # otherwise keep stepping the others and submit it once compiled
                 running = None if self._reqs else self.backend.compile_in_flight(e[3])
                 if running is None:
                     self._parked.append(e)
