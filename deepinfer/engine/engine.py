@@ -283,7 +283,7 @@ class Engine:
         # Zen 5 host the schema's compile (xgrammar, two threads, 9-10 ms) and the 12-token prefill
         # (two OpenMP threads, 35-45 ms) both fill the two cores, and the batch's first output
         # came no sooner (benchmarks/programs.py workload c, 10 compiled runs each: median 59 ms
-        # vs 57 ms compiling first).
+        # vs 57 ms compiling first; with the forward on one OpenMP thread, 65 vs 69 ms of 4 runs).
         busy = self.scheduler.has_unfinished() or bool(self._compiling) or self._inflight is not None
         seq = self.inputs.new_sequence(request_id, ids, params, grammar_wait=0.0 if busy else None,
                                        adopt_precompile=not busy)
