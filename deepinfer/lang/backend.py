@@ -308,7 +308,7 @@ class EngineBackend:
 
 def _settle(proxy: Future, fut: Future | None) -> None:
     """Resolve a precompile_after proxy like the engine's compile it stands for (its error too)."""
-    err = fut.exception() if fut is not None else None
+    err = fut.exception() if fut is not None and not fut.cancelled() else None
     if err is not None:
         proxy.set_exception(err)
     else:
