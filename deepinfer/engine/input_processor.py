@@ -53,12 +53,13 @@ class InputProcessor:
 
     def new_sequence(
         self, request_id: str | None, ids: list[int], params: SamplingParams, fork_of: str | None = None,
-        grammar_wait: float | None = None,
+        grammar_wait: float | None = None, adopt_precompile: bool = False,
     ) -> Sequence:
         """A Sequence with its seed, grammar matcher, detokenizer and logprob lists (not yet queued).
         A fork child (request_id None) is named after its parent and its unique arrival number.
         grammar_wait: how long to wait for a grammar not compiled yet (StructuredOutputs.attach);
-        past it the sequence comes back with `grammar_pending` set."""
+        past it the sequence comes back with `grammar_pending` set; with adopt_precompile, at once
+        when a precompile of its constraint is still running (StructuredOutputs.attach)."""
         from deepinfer.engine.tokenizer import IncrementalDetokenizer
 
         arrival = self.next_arrival()
@@ -67,7 +68,8 @@ class InputProcessor:
         seed = params.seed if params.seed is not None else rng.hash32(self.seed ^ rng.hash32(arrival))
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival=arrival, rng_seed=seed)
         if params.constrained:
-            self.structured.attach(seq, params, wait=grammar_wait)  # raises GrammarError for an invalid spec
+            # raises GrammarError for an invalid spec
+            self.structured.attach(seq, params, wait=grammar_wait, adopt_precompile=adopt_precompile)
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         if params.logprobs is not None:
             seq.logprobs = []

@@ -29,6 +29,8 @@ class EngineStats:
     postprocess_time: float = 0.0
     grammar_time: float = 0.0
     grammar_calls: int = 0
+    # time a step's sampling waited for the compile of a sequence admitted while it compiled
+    grammar_wait_time: float = 0.0
     wait_time: float = 0.0  # time the planning thread waited for a forward pass (overlap mode)
     idle_gap_time: float = 0.0  # time between the end of one forward pass and the start of the next
     first_forward_start: float = 0.0

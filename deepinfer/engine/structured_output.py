@@ -33,6 +33,7 @@ class StructuredOutputs:
         self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
         self._uploader = None  # pinned host -> device copy of each step's mask (non-CPU logits)
         self._compiler_lock = threading.Lock()
+        self._precompiling: dict = {}  # spec -> Future of its precompile, while it runs
 
     @property
     def token_bytes(self) -> list[bytes | None]:
@@ -60,20 +61,42 @@ class StructuredOutputs:
             spec = self._spec(params)
         except Exception:
             return None
-        return None if spec is None else self._compiler.compile_async(spec)
+        if spec is None:
+            return None
+        future = self._compiler.compile_async(spec)
+        with self._compiler_lock:
+            self._precompiling[spec] = future
+        future.add_done_callback(lambda f, spec=spec: self._forget_precompile(spec, f))
+        return future
 
-    def attach(self, seq: Sequence, params: SamplingParams, wait: float | None = None) -> None:
+    def _forget_precompile(self, spec, future) -> None:
+        with self._compiler_lock:
+            if self._precompiling.get(spec) is future:
+                del self._precompiling[spec]
+
+    def attach(self, seq: Sequence, params: SamplingParams, wait: float | None = None,
+               adopt_precompile: bool = False) -> None:
         """Give seq a matcher for its constraint (if any). Raises GrammarError for an invalid spec.
 
         A spec compiled before attaches at once. Otherwise it compiles in the compiler's thread
         pool and this waits up to `wait` seconds (None: until done); a compile still running then
         leaves `seq.grammar_pending` set, and the engine holds the sequence back until
-        `finish_attach` (so a slow schema never stalls the other requests' steps)."""
+        `finish_attach` (so a slow schema never stalls the other requests' steps).
+
+        adopt_precompile: if a `precompile` of the spec is still running, leave seq.grammar_pending
+        set to it at once, whatever `wait` (the engine then prefills the sequence while it compiles
+        and `bind_pending` waits for it before the sequence's first sample)."""
         from concurrent.futures import TimeoutError as FutureTimeout
 
         spec = self._spec(params)
         if spec is None:
             return
+        if adopt_precompile:
+            with self._compiler_lock:
+                running = self._precompiling.get(spec)
+            if running is not None and not running.done():
+                seq.grammar_pending = running
+                return
         if wait is None or self._compiler.is_cached(spec):
             self._bind(seq, *self._compiler.compile(spec))
             return
@@ -89,6 +112,24 @@ class StructuredOutputs:
         """Bind the grammar a sequence waited for (its compile is done). Raises its GrammarError."""
         future, seq.grammar_pending = seq.grammar_pending, None
         self._bind(seq, *future.result())
+
+    def bind_pending(self, seqs: list[Sequence]) -> None:
+        """Before a step samples: bind the grammar of every sequence admitted while its constraint
+        still compiled (Engine.add_request), waiting for the compiles still running. A failed
+        compile sets seq.error: the sequence then finishes with that error and no token, as one
+        held back until its compile was done would."""
+        t = time.perf_counter()
+        waited = False
+        for seq in seqs:
+            if seq.grammar_pending is None:
+                continue
+            waited = waited or not seq.grammar_pending.done()
+            try:
+                self.finish_attach(seq)
+            except Exception as e:  # GrammarError (or a timeout past compile_timeout): this request's error
+                seq.error = f"{type(e).__name__}: {e}"
+        if waited:
+            self.stats.grammar_wait_time += time.perf_counter() - t
 
     @staticmethod
     def _bind(seq: Sequence, compiled, backend: str) -> None:

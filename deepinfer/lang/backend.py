@@ -42,6 +42,9 @@ class EngineBackend:
         # meanwhile a constrained request with no compile on record is held, as it may be one of them
         self._deferred = 0
         self._gates: list[Future] = []  # resolved after the next engine step (precompile_after)
+        # the engine queues a request whose constraint still compiles when nothing else runs, and
+        # prefills it meanwhile (Engine.prefills_while_compiling): see compile_in_flight
+        self.prefills_while_compiling = bool(getattr(engine, "prefills_while_compiling", False))
         # ids that end generation: the engine may add the model config's to the tokenizer's
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
         eos += list(getattr(engine, "eos_token_ids", None) or [])
@@ -170,9 +173,9 @@ class EngineBackend:
                 except Exception:  # its request reports the error on its own
                     fut = None
                 if fut is None or fut.done():  # (a done one is not chained: no recursion through callbacks)
-                    proxy.set_result(None)
+                    _settle(proxy, fut)
                     continue
-                fut.add_done_callback(lambda _f, proxy=proxy: (proxy.set_result(None), next_one()))
+                fut.add_done_callback(lambda f, proxy=proxy: (_settle(proxy, f), next_one()))
                 return
 
         def start(force: bool = False) -> None:
@@ -220,6 +223,19 @@ class EngineBackend:
             gates, self._gates = self._gates, []
         for g in gates:
             g.set_result(None)
+
+    def compile_in_flight(self, params: SamplingParams) -> Future | None:
+        """The running compile of params' constraint that an engine which prefills while compiling
+        can take the request beside (the runtime then submits it instead of holding it, when
+        nothing else is in flight): a started, unfinished precompile. None otherwise: the engine
+        lacks that, no compile is on record, or it is held for the first step (precompile_after)."""
+        if not self.prefills_while_compiling or not params.constrained:
+            return None
+        with self._compiles_lock:
+            fut = self._compiles.get(constraint_key(params))
+            if fut is None or fut.done() or id(fut) in self._held:
+                return None
+        return fut
 
     def compiling(self, params: SamplingParams) -> bool:
         """True while a precompile of params' constraint is still running (its request would wait)."""
@@ -288,6 +304,15 @@ class EngineBackend:
 
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished())
+
+
+def _settle(proxy: Future, fut: Future | None) -> None:
+    """Resolve a precompile_after proxy like the engine's compile it stands for (its error too)."""
+    err = fut.exception() if fut is not None and not fut.cancelled() else None
+    if err is not None:
+        proxy.set_exception(err)
+    else:
+        proxy.set_result(None)
 
 
 _default_engine: Any = None

@@ -134,6 +134,8 @@ class Runtime:
         self._ready: deque[Program] = deque()
         self._to_submit: list[tuple] = []
         self._parked: list[tuple] = []  # requests whose constraint is still being precompiled
+        # request id -> the compile still running when it was submitted (see _submit)
+        self._early: dict[str, Future] = {}
         self._reqs: dict[str, tuple[Op, Any]] = {}
         self._thread: threading.Thread | None = None
         self._glet: greenlet.greenlet | None = None
@@ -330,12 +332,20 @@ class Runtime:
             if e[4].gate != "open":
                 e[4].held.append(e)
                 continue
-            if self.backend.compiling(e[3]):  # keep stepping the others; submit it once compiled
-                self._parked.append(e)
+            if self.backend.compiling(e[3]):
+                # nothing in flight and an engine that prefills while compiling: submit it now, so
+                # its prefill runs beside the compile instead of after it (the compiled batch's first
+                # request, whose schema compiles alone: Engine.add_request says what that saves);
+                # otherwise keep stepping the others and submit it once compiled
+                running = None if self._reqs else self.backend.compile_in_flight(e[3])
+                if running is None:
+                    self._parked.append(e)
+                    continue
+                self._add(e, running)
                 continue
             self._add(e)
 
-    def _add(self, entry: tuple) -> None:
+    def _add(self, entry: tuple, compiling: Future | None = None) -> None:
         op, tag, prompt, params, _ = entry
         if op.cancelled:
             return
@@ -344,6 +354,8 @@ class Runtime:
         except Exception as exc:  # InvalidRequestError / GrammarError: belongs to this program
             self._fail_op(op, exc)
             return
+        if compiling is not None:
+            self._early[rid] = compiling
         op.rids.append(rid)
         self._reqs[rid] = (op, tag)
         self.stats.requests += 1
@@ -352,6 +364,7 @@ class Runtime:
     def _cancel(self, op: Op) -> None:
         op.cancelled = True
         for rid in op.rids:
+            self._early.pop(rid, None)
             if self._reqs.pop(rid, None) is not None:
                 self.backend.abort(rid)
 
@@ -382,6 +395,12 @@ class Runtime:
             op, tag = entry
             if op.cancelled:
                 continue
+            if self._early and out.request_id in self._early:
+                compiled = self._early.pop(out.request_id)
+                err = compiled.exception() if out.finish_reason == "error" and compiled.done() else None
+                if err is not None:  # the compile failed: the error its submission would have raised
+                    self._fail_op(op, err)
+                    continue
             try:
                 op.on_output(tag, out)
             except Exception as exc:

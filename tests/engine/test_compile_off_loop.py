@@ -119,3 +119,79 @@ def test_idle_engine_compiles_at_submission(tiny_models):
     eng = _engine(tiny_models)
     eng.add_request("x", SamplingParams(json_schema={"type": "boolean"}, max_tokens=4))
     assert eng.num_compiling == 0  # nothing else to run: compiled now, errors raise at add_request
+
+
+def _run_all(eng) -> dict:
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}])
+def test_a_request_admitted_while_its_precompile_runs_matches_one_admitted_after(tiny_models, slow_compiles,
+                                                                                 sampling):
+    """On an idle engine a request whose constraint's precompile still runs is queued at once (its
+    prefill runs beside the compile) and its first sample waits for the grammar: the same tokens as
+    the request submitted once the compile is done."""
+    params = SamplingParams(json_schema=_schema(0), max_tokens=16, complete_within_budget=True, **sampling)
+    prompt = [5, 7, 9, 11, 13]
+    early = _engine(tiny_models)
+    fut = early.precompile(params)
+    rid = early.add_request(prompt, params)
+    assert not fut.done() and early.num_compiling == 0  # queued, not held: its compile still runs
+    assert [s.request_id for s in early.scheduler.waiting] == [rid]
+    first = early.step()  # prefills while compiling; the sample waited for the grammar
+    assert fut.done() and [o.request_id for o in first] == [rid] and len(first[0].token_ids) == 1
+    assert early.stats.grammar_wait_time > 0
+    got = _run_all(early)[rid]
+
+    after = _engine(tiny_models)
+    after.precompile(params).result()
+    want = _run_all_after(after, prompt, params)
+    assert got.finish_reason == want.finish_reason == "stop", (got.finish_reason, got.error)
+    assert got.token_ids == want.token_ids and got.text == want.text
+    jsonschema.validate(json.loads(got.text), _schema(0))
+    assert early.kv.allocator.num_free == early.kv.allocator.num_blocks
+
+
+def _run_all_after(eng, prompt, params):
+    rid = eng.add_request(prompt, params)
+    return _run_all(eng)[rid]
+
+
+def test_a_busy_engine_still_holds_a_request_whose_precompile_runs(tiny_models, slow_compiles):
+    """Only an idle engine takes a still-compiling request into its batch (a slow schema must not
+    stall other requests' steps): a busy one holds it as before."""
+    eng = _engine(tiny_models)
+    eng.add_request([5, 7, 9], SamplingParams(temperature=0, max_tokens=4))
+    params = SamplingParams(json_schema=_schema(1), max_tokens=8)
+    eng.precompile(params)
+    eng.add_request("x", params)
+    assert eng.num_compiling == 1
+    outs = _run_all(eng)
+    assert all(o.finish_reason in ("stop", "length") for o in outs.values())
+
+
+def test_a_failed_compile_of_an_early_admitted_request_fails_only_it(tiny_models, monkeypatch):
+    """The compile fails after the request was queued: it finishes with the compile's error and no
+    token, and gives its KV back."""
+    from deepinfer.errors import GrammarError
+
+    def compile(self, spec):
+        time.sleep(0.2)
+        raise GrammarError("cannot compile this one")
+
+    monkeypatch.setattr(XGrammarBackend, "compile", compile)
+    eng = _engine(tiny_models, grammar_fallback=False)
+    params = SamplingParams(json_schema=_schema(2), max_tokens=8)
+    fut = eng.precompile(params)
+    rid = eng.add_request([5, 7, 9], params)  # does not raise: the compile is still running
+    assert not fut.done()
+    out = _run_all(eng)[rid]
+    assert out.finish_reason == "error" and "cannot compile this one" in out.error and out.token_ids == []
+    assert eng.kv.allocator.num_free == eng.kv.allocator.num_blocks
+    with pytest.raises(GrammarError, match="cannot compile this one"):  # compiled (failed) now: raises
+        eng.add_request([5, 7, 9], params)
