@@ -111,10 +111,14 @@ int di_q_cpu_level(void) {
 void di_q_set_level_cap(int cap) { level_cap = cap < 0 ? 0 : cap; }
 
 static void dequant_row_avx2(int fmt, const uint8_t *row, int64_t K, float *out);
+static void dequant_row_512(int fmt, const uint8_t *row, int64_t K, float *out);
 
+/* avx2: the level to use, 0 scalar, 1 AVX2, 2 AVX-512 (the 32-element formats; the same values) */
 void di_q_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *out) {
     if (is_kquant(fmt)) {
         di_qk_dequant_row(fmt, avx2, row, K, out);
+    } else if (avx2 >= 2) {
+        dequant_row_512(fmt, row, K, out);
     } else if (avx2) {
         dequant_row_avx2(fmt, row, K, out);
     } else {
@@ -280,6 +284,16 @@ AVX512 static inline void dequant_block_512(const int fmt, const uint8_t *b, __m
     const __m512 m = fmt == FMT_Q4_1 ? _mm512_set1_ps(f16(b + 2)) : _mm512_set1_ps(-8.f * f16(b));
     w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xf))), d, m);
     w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+}
+
+AVX512 static void dequant_row_512(int fmt, const uint8_t *row, int64_t K, float *out) {
+    const int bb = block_bytes(fmt);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        __m512 w[2];
+        dequant_block_512(fmt, row + b * bb, w);
+        _mm512_storeu_ps(out + b * QK, w[0]);
+        _mm512_storeu_ps(out + b * QK + 16, w[1]);
+    }
 }
 
 AVX512 static inline float hsum_pair(__m512 a) {

@@ -48,15 +48,15 @@ AVX2 static inline void transpose8(const float *src, int64_t ldr, float *dst, in
     _mm256_storeu_ps(dst + 7 * lds, _mm256_permute2f128_ps(s3, s7, 0x31));
 }
 
-/* panel[k * on + j] = W[n0 + j, k] dequantised (0 for j >= nj), on a multiple of 8; rows: scratch [on][K] */
-AVX2 static void pack_panel(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n0, int nj, int on, int64_t K,
+/* panel[k * 16 + j] = W[n0 + j, k] dequantised (0 for j >= nj); rows: scratch [16][K] */
+AVX2 static void pack_panel(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n0, int nj, int64_t K,
                             float *rows, float *panel) {
-    for (int j = 0; j < on; ++j) {
+    for (int j = 0; j < ON; ++j) {
         if (j < nj) di_q_dequant_row(fmt, 1, w + (n0 + j) * row_bytes, K, rows + j * K);
         else memset(rows + j * K, 0, sizeof(float) * (size_t)K);
     }
     for (int64_t k = 0; k < K; k += 8) /* K is a multiple of 32 */
-        for (int j = 0; j < on; j += 8) transpose8(rows + j * K + k, K, panel + k * on + j, on);
+        for (int j = 0; j < ON; j += 8) transpose8(rows + j * K + k, K, panel + k * ON + j, ON);
 }
 
 /* rows r < mr of y[:, 0..16) (+)= x[r, k0 .. k0 + kc) @ panel block; first: start from 0 */
@@ -83,7 +83,7 @@ AVX2 static inline __attribute__((always_inline)) void tile(const int mr, const 
 }
 
 /* all M rows against one packed panel; out: [M][16] (ldo apart) */
-AVX2 static void sweep_avx2(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K, float *out,
+AVX2 static void sweep(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K, float *out,
                        int64_t ldo) {
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
@@ -103,64 +103,105 @@ AVX2 static void sweep_avx2(const float *x, int64_t ldx, int64_t M, const float 
     }
 }
 
-/* ---- AVX-512: a 48-wide panel and an 8 x 48 register tile (24 accumulators of 32 zmm) ------------
- * Per k: three panel loads and eight broadcasts of x feed 24 FMAs, x read once per 48 outputs. Each
- * output is the same single FMA chain over k in order as in the AVX2 tile (fma(x, w, acc), from 0, the
- * running sum kept in y between K blocks): the same bits, only more outputs per step. */
+/* ---- AVX-512: the roles swapped, no weight transpose -------------------------------------------------
+ * The AVX2 path's per-call cost at 16-32 rows is mostly the panel: dequantise 16 rows, then transpose
+ * them. Here x is transposed once per call instead (xT [K][Mp], Mp = M rounded up to 16, zero rows past
+ * M; M x K is small next to N x K), the weights are dequantised 8 rows at a time into a row buffer
+ * (AVX-512 dequantiser) and stay there while an 8 x 48 register tile (24 zmm: 8 weight rows by 48 rows
+ * of x) sweeps xT: per k, three loads of xT and eight broadcasts of one dequantised weight feed 24
+ * FMAs. Each output is still one FMA chain over k = 0 .. K-1 in order from 0 (w * x + acc: the product
+ * the AVX2 tile forms, x * w, is the same number), so the bits equal the AVX2 path's. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
-#define OR5 8
-#define ON5 48
-#ifndef KC5
-#define KC5 256 /* a [KC5][48] panel block is 48 KB */
+#ifndef WR
+#define WR 16 /* weight rows per group */
 #endif
+#define XV 3 /* 16-row vectors of x per register tile, at most */
 
-AVX512 static inline __attribute__((always_inline)) void tile512(const int mr, const float *x, int64_t ldx,
-                                                                const float *p, int64_t kc, float *y, int64_t ldy,
-                                                                int first) {
-    __m512 a0[OR5], a1[OR5], a2[OR5];
-    for (int r = 0; r < mr; ++r) {
-        a0[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy);
-        a1[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + 16);
-        a2[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + 32);
-    }
-    for (int64_t k = 0; k < kc; ++k) {
-        const float *pk = p + k * ON5;
-        const __m512 w0 = _mm512_load_ps(pk), w1 = _mm512_load_ps(pk + 16), w2 = _mm512_load_ps(pk + 32);
-        for (int r = 0; r < mr; ++r) {
-            const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-            a0[r] = _mm512_fmadd_ps(xb, w0, a0[r]);
-            a1[r] = _mm512_fmadd_ps(xb, w1, a1[r]);
-            a2[r] = _mm512_fmadd_ps(xb, w2, a2[r]);
+/* acc[j][c] lane i = sum_k w[j * K + k] * xT[k * ldt + 16 c + i] for j < wr; y[r, j] for r < mr, j < nj */
+AVX512 static inline __attribute__((always_inline)) void tile512(const int wr, const int xv, const float *w,
+                                                                int64_t K, const float *xT, int64_t ldt, int mr,
+                                                                int nj, float *y, int64_t ldy) {
+    __m512 acc[WR][XV];
+    for (int j = 0; j < wr; ++j)
+        for (int c = 0; c < xv; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        __m512 xk[XV];
+        for (int c = 0; c < xv; ++c) xk[c] = _mm512_load_ps(xT + k * ldt + 16 * c);
+        for (int j = 0; j < wr; ++j) {
+            const __m512 wb = _mm512_set1_ps(w[j * K + k]);
+            for (int c = 0; c < xv; ++c) acc[j][c] = _mm512_fmadd_ps(wb, xk[c], acc[j][c]);
         }
     }
-    for (int r = 0; r < mr; ++r) {
-        _mm512_storeu_ps(y + r * ldy, a0[r]);
-        _mm512_storeu_ps(y + r * ldy + 16, a1[r]);
-        _mm512_storeu_ps(y + r * ldy + 32, a2[r]);
+    float t[WR][16 * XV] __attribute__((aligned(64)));
+    for (int j = 0; j < wr; ++j)
+        for (int c = 0; c < xv; ++c) _mm512_store_ps(t[j] + 16 * c, acc[j][c]);
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nj; ++j) y[r * ldy + j] = t[j][r];
+}
+
+/* xT[k * ldt + r] = x[r, k] for r < M, 0 for M <= r < ldt; rows k0 <= k < k1 (k1 - k0 a multiple of 8):
+ * 8 x 8 blocks in registers, the rows past the last whole 8 one by one (the scalar loop alone took
+ * ~0.1 ms of the 576 x 1536 projection at 128 rows) */
+AVX2 static void transpose_x(const float *x, int64_t ldx, int64_t M, int64_t k0, int64_t k1, float *xT,
+                             int64_t ldt) {
+    const int64_t m8 = M / 8 * 8;
+    for (int64_t k = k0; k < k1; k += 8)
+        for (int64_t r = 0; r < m8; r += 8) transpose8(x + r * ldx + k, ldx, xT + k * ldt + r, ldt);
+    for (int64_t k = k0; k < k1; ++k) {
+        float *d = xT + k * ldt;
+        for (int64_t r = m8; r < M; ++r) d[r] = x[r * ldx + k];
+        for (int64_t r = M; r < ldt; ++r) d[r] = 0.f;
     }
 }
 
-/* all M rows against one packed 48-wide panel; out: [M][48] (ldo apart) */
-AVX512 static void sweep_avx512(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K, float *out,
-                                int64_t ldo) {
-    for (int64_t k0 = 0; k0 < K; k0 += KC5) {
-        const int64_t kc = K - k0 < KC5 ? K - k0 : KC5;
-        const float *p = panel + k0 * ON5;
-        for (int64_t r = 0; r < M; r += OR5) {
-            const float *xr = x + r * ldx + k0;
-            float *yr = out + r * ldo;
-            switch (M - r < OR5 ? (int)(M - r) : OR5) {
-            case 8: tile512(8, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
-            case 7: tile512(7, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
-            case 6: tile512(6, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
-            case 5: tile512(5, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
-            case 4: tile512(4, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
-            case 3: tile512(3, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
-            case 2: tile512(2, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
-            default: tile512(1, xr, ldx, p, kc, yr, ldo, k0 == 0); break;
+AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
+                           int64_t N, int64_t K, float *y, int64_t ldy) {
+    const int64_t ldt = (M + 15) / 16 * 16, groups = (N + WR - 1) / WR;
+    float *xT = aligned_alloc(64, (size_t)(K * ldt) * sizeof(float));
+    if (!xT) return 1;
+    const int par = groups > 1 && M * N * K >= 32768;
+    int failed = 0;
+#pragma omp parallel if (par)
+    {
+        /* the transpose in blocks of k, shared by all threads */
+#pragma omp for schedule(static)
+        for (int64_t k0 = 0; k0 < K; k0 += 32) transpose_x(x, ldx, M, k0, k0 + 32 < K ? k0 + 32 : K, xT, ldt);
+        float *wb = aligned_alloc(64, (size_t)(WR * K) * sizeof(float));
+        if (!wb) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            if (!wb) continue;
+            const int64_t n0 = g * WR;
+            const int nj = N - n0 < WR ? (int)(N - n0) : WR;
+            for (int j = 0; j < WR; ++j) {
+                if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wb + j * K);
+                else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
+            }
+            for (int64_t r = 0; r < M; r += 16 * XV) {
+                const int64_t rest = M - r;
+                const int mr = rest < 16 * XV ? (int)rest : 16 * XV;
+                float *yr = y + r * ldy + n0;
+                /* up to 24 accumulators: 16 weight rows by one vector of x, 8 by two or three */
+                switch ((mr + 15) / 16) {
+                case 3:
+                    for (int j = 0; j < nj; j += 8)
+                        tile512(8, 3, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
+                    break;
+                case 2:
+                    for (int j = 0; j < nj; j += 8)
+                        tile512(8, 2, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
+                    break;
+                default: tile512(WR, 1, wb, K, xT + r, ldt, mr, nj, yr, ldy); break;
+                }
             }
         }
+        free(wb);
     }
+    free(xT);
+    return failed;
 }
 
 /* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) @ W.T, W as rows of blocks (row_bytes apart);
@@ -170,32 +211,32 @@ int di_qgemm_outer(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int
                    int64_t K, float *y, int64_t ldy) {
     const int be = di_q_block_elems(fmt), level = di_q_cpu_level();
     if (!be || K % be || K % 32 || level < 1) return 1;
-    const int on = level >= 2 ? ON5 : ON;
-    const int64_t panels = (N + on - 1) / on;
+    if (level >= 2) return outer512(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
+    const int64_t panels = (N + ON - 1) / ON;
     int failed = 0;
 #pragma omp parallel if (panels > 1 && M * N * K >= 32768)
     {
-        const size_t fl = (size_t)K * on;
-        /* rows scratch, the panel, and (last panel only) a [M][on] staging tile for a partial panel */
+        const size_t fl = (size_t)K * ON;
+        /* rows scratch, the panel, and (last panel only) a [M][16] staging tile for a partial panel */
         float *buf = aligned_alloc(64, (2 * fl * sizeof(float) + 63) / 64 * 64);
-        float *stage = N % on ? aligned_alloc(64, ((size_t)M * on * sizeof(float) + 63) / 64 * 64) : NULL;
-        if (!buf || (N % on && !stage)) {
+        float *stage = N % ON ? aligned_alloc(64, ((size_t)M * ON * sizeof(float) + 63) / 64 * 64) : NULL;
+        if (!buf || (N % ON && !stage)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < panels; ++g) {
-            if (!buf || (N % on && !stage)) continue;
-            const int64_t n0 = g * on;
-            const int nj = N - n0 < on ? (int)(N - n0) : on;
+            if (!buf || (N % ON && !stage)) continue;
+            const int64_t n0 = g * ON;
+            const int nj = N - n0 < ON ? (int)(N - n0) : ON;
             float *panel = buf + fl;
-            pack_panel(fmt, w, row_bytes, n0, nj, on, K, buf, panel);
-            float *out = nj == on ? y + n0 : stage;
-            const int64_t ldo = nj == on ? ldy : on;
-            if (on == ON5) sweep_avx512(x, ldx, M, panel, K, out, ldo);
-            else sweep_avx2(x, ldx, M, panel, K, out, ldo);
-            if (nj < on)
-                for (int64_t r = 0; r < M; ++r) memcpy(y + r * ldy + n0, stage + r * on, sizeof(float) * (size_t)nj);
+            pack_panel(fmt, w, row_bytes, n0, nj, K, buf, panel);
+            if (nj == ON) {
+                sweep(x, ldx, M, panel, K, y + n0, ldy);
+            } else {
+                sweep(x, ldx, M, panel, K, stage, ON);
+                for (int64_t r = 0; r < M; ++r) memcpy(y + r * ldy + n0, stage + r * ON, sizeof(float) * (size_t)nj);
+            }
         }
         free(buf);
         free(stage);
