@@ -116,6 +116,9 @@ AVX2 static void sweep(const float *x, int64_t ldx, int64_t M, const float *pane
 #define WR 16 /* weight rows per group */
 #endif
 #define XV 3 /* 16-row vectors of x per register tile, at most */
+#ifndef XB_BYTES
+#define XB_BYTES (640 << 10) /* xT bytes per pass over the weights (L2: 1 MB per core here) */
+#endif
 
 /* acc[j][c] lane i = sum_k w[j * K + k] * xT[k * ldt + 16 c + i] for j < wr; y[r, j] for r < mr, j < nj */
 AVX512 static inline __attribute__((always_inline)) void tile512(const int wr, const int xv, const float *w,
@@ -157,6 +160,11 @@ AVX2 static void transpose_x(const float *x, int64_t ldx, int64_t M, int64_t k0,
 AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
                            int64_t N, int64_t K, float *y, int64_t ldy) {
     const int64_t ldt = (M + 15) / 16 * 16, groups = (N + WR - 1) / WR;
+    /* rows of x per pass over the weights: a pass's slice of xT (mb x K) stays in L2 while every group
+     * of weight rows sweeps it (prefill: 2560 rows of K = 576 are 5.9 MB); the weights are dequantised
+     * once per pass */
+    const int64_t mb = XB_BYTES / (4 * K) / (16 * XV) * (16 * XV) > 16 * XV ? XB_BYTES / (4 * K) / (16 * XV) * (16 * XV)
+                                                                          : 16 * XV;
     float *xT = aligned_alloc(64, (size_t)(K * ldt) * sizeof(float));
     if (!xT) return 1;
     const int par = groups > 1 && M * N * K >= 32768;
@@ -171,6 +179,8 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
 #pragma omp atomic write
             failed = 1;
         }
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = M - m0 < mb ? M : m0 + mb;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             if (!wb) continue;
@@ -180,8 +190,8 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
                 if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wb + j * K);
                 else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
             }
-            for (int64_t r = 0; r < M; r += 16 * XV) {
-                const int64_t rest = M - r;
+            for (int64_t r = m0; r < m1; r += 16 * XV) {
+                const int64_t rest = m1 - r;
                 const int mr = rest < 16 * XV ? (int)rest : 16 * XV;
                 float *yr = y + r * ldy + n0;
                 /* up to 24 accumulators: 16 weight rows by one vector of x, 8 by two or three */
@@ -197,6 +207,7 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
                 default: tile512(WR, 1, wb, K, xT + r, ldt, mr, nj, yr, ldy); break;
                 }
             }
+        }
         }
         free(wb);
     }
