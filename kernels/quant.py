@@ -6,7 +6,8 @@ for the k-quants; uint8 [N, row_bytes]): the bytes of the GGUF file, unchanged. 
 x @ W.T on them:
 
 * ``mode="int8"``: activations quantised per 32-block to int8, integer dot products (AVX2
-  maddubs/madd), fp32 accumulation (llama.cpp's scheme);
+  maddubs/madd, or VNNI's vpdpbusd where the CPU has AVX-512 VNNI: the same sums), fp32 accumulation
+  (llama.cpp's scheme);
 * ``mode="exact"``: each block dequantised to fp32 in registers against fp32 activations (equal to
   dequantise-then-fp32 up to the summation order).
 

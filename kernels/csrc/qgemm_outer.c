@@ -12,6 +12,15 @@
  * K blocks, which does not change it), whatever M or the tile a row falls in: still one fixed order
  * per output, so a row's result does not depend on the batch here, but it is not the row kernels'
  * order, so the bits differ from those of small M. The batch-invariant mode does not use it.
+ *
+ * Where di_q_cpu_level() is 2 (AVX-512) the kernel below (outer512) runs instead, with the same bits
+ * (tests/kernels/test_quant_levels.py). On the 2-core AVX-512 Zen 5 host, 2 threads, medians
+ * (benchmarks/quant_outer_m.py), it took 1.7-2.3x less time than this AVX2 tile on SmolLM2's shapes at
+ * 32-640 rows and ran at 0.90-1.12x the fp32 engine's GEMM on the same weights (fp32 / outer at 32, 128,
+ * 640 rows: qkv 960x576 1.00 / 1.00 / 0.91, gate_up 3072x576 1.12 / 0.98 / 0.99, down 576x1536 1.00 /
+ * 0.92 / 0.90, Q8_0 LM head 49152x576 0.97 / 1.05 / 1.03). A first AVX-512 version kept this design
+ * with a 48-wide panel and an 8 x 48 tile: 1.3-2.2x the AVX2 tile from 16 rows, but the dequantise-
+ * and-transpose of the panel was about half the time at 16-32 rows (0.71-1.06x fp32 there).
  */
 #include <immintrin.h>
 #include <stdlib.h>
