@@ -115,10 +115,10 @@ AVX2 static void sweep(const float *x, int64_t ldx, int64_t M, const float *pane
 /* ---- AVX-512: the roles swapped, no weight transpose -------------------------------------------------
  * The AVX2 path's per-call cost at 16-32 rows is mostly the panel: dequantise 16 rows, then transpose
  * them. Here x is transposed once per call instead (xT [K][Mp], Mp = M rounded up to 16, zero rows past
- * M; M x K is small next to N x K), the weights are dequantised 8 rows at a time into a row buffer
+ * M; M x K is small next to N x K), the weights are dequantised 16 rows at a time into a row buffer
  * (AVX-512 dequantiser) and stay there while an 8 x 48 register tile (24 zmm: 8 weight rows by 48 rows
- * of x) sweeps xT: per k, three loads of xT and eight broadcasts of one dequantised weight feed 24
- * FMAs. Each output is still one FMA chain over k = 0 .. K-1 in order from 0 (w * x + acc: the product
+ * of x; 16 x 16 where one vector of x is left) sweeps xT: per k, three loads of xT and eight
+ * broadcasts of one dequantised weight feed 24 FMAs. Each output is still one FMA chain over k = 0 .. K-1 in order from 0 (w * x + acc: the product
  * the AVX2 tile forms, x * w, is the same number), so the bits equal the AVX2 path's. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
 #ifndef WR
@@ -172,8 +172,8 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
     /* rows of x per pass over the weights: a pass's slice of xT (mb x K) stays in L2 while every group
      * of weight rows sweeps it (prefill: 2560 rows of K = 576 are 5.9 MB); the weights are dequantised
      * once per pass */
-    const int64_t mb = XB_BYTES / (4 * K) / (16 * XV) * (16 * XV) > 16 * XV ? XB_BYTES / (4 * K) / (16 * XV) * (16 * XV)
-                                                                          : 16 * XV;
+    int64_t mb = XB_BYTES / (4 * K) / (16 * XV) * (16 * XV);
+    if (mb < 16 * XV) mb = 16 * XV;
     float *xT = aligned_alloc(64, (size_t)(K * ldt) * sizeof(float));
     if (!xT) return 1;
     const int par = groups > 1 && M * N * K >= 32768;
@@ -191,32 +191,32 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
         for (int64_t m0 = 0; m0 < M; m0 += mb) {
             const int64_t m1 = M - m0 < mb ? M : m0 + mb;
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g) {
-            if (!wb) continue;
-            const int64_t n0 = g * WR;
-            const int nj = N - n0 < WR ? (int)(N - n0) : WR;
-            for (int j = 0; j < WR; ++j) {
-                if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wb + j * K);
-                else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
-            }
-            for (int64_t r = m0; r < m1; r += 16 * XV) {
-                const int64_t rest = m1 - r;
-                const int mr = rest < 16 * XV ? (int)rest : 16 * XV;
-                float *yr = y + r * ldy + n0;
-                /* up to 24 accumulators: 16 weight rows by one vector of x, 8 by two or three */
-                switch ((mr + 15) / 16) {
-                case 3:
-                    for (int j = 0; j < nj; j += 8)
-                        tile512(8, 3, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
-                    break;
-                case 2:
-                    for (int j = 0; j < nj; j += 8)
-                        tile512(8, 2, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
-                    break;
-                default: tile512(WR, 1, wb, K, xT + r, ldt, mr, nj, yr, ldy); break;
+            for (int64_t g = 0; g < groups; ++g) {
+                if (!wb) continue;
+                const int64_t n0 = g * WR;
+                const int nj = N - n0 < WR ? (int)(N - n0) : WR;
+                for (int j = 0; j < WR; ++j) {
+                    if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wb + j * K);
+                    else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
+                }
+                for (int64_t r = m0; r < m1; r += 16 * XV) {
+                    const int64_t rest = m1 - r;
+                    const int mr = rest < 16 * XV ? (int)rest : 16 * XV;
+                    float *yr = y + r * ldy + n0;
+                    /* up to 24 accumulators: 16 weight rows by one vector of x, 8 by two or three */
+                    switch ((mr + 15) / 16) {
+                    case 3:
+                        for (int j = 0; j < nj; j += 8)
+                            tile512(8, 3, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
+                        break;
+                    case 2:
+                        for (int j = 0; j < nj; j += 8)
+                            tile512(8, 2, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
+                        break;
+                    default: tile512(WR, 1, wb, K, xT + r, ldt, mr, nj, yr, ldy); break;
+                    }
                 }
             }
-        }
         }
         free(wb);
     }

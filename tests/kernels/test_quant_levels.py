@@ -48,7 +48,8 @@ def _case(fmt: int, m: int, n: int, seed: int):
 @pytest.mark.parametrize("m,n", [(1, 1), (7, 47), (9, 49), (17, 100), (33, 16), (8, 48), (130, 97), (300, 50)])
 def test_outer_avx512_tile_is_bit_identical_to_the_avx2_tile(fmt, m, n, capped):
     # M a multiple of neither row tile (16 / 48 / 6) or of both, and 300: two passes over the weights (K = 544
-    # or 768: 288 or 192 rows of x per pass); N a multiple of neither weight group (16 / 8 / 16) or of both
+    # or 768: 288 or 192 rows of x per pass); N a multiple of neither weight group (AVX-512: 16 rows, tiles
+    # of 8; AVX2: panels of 16) or of both
     qw, x = _case(fmt, m, n, fmt * 1000 + m * 7 + n)
     narrow = capped(quant.qlinear_outer, x, qw)
     y = quant.qlinear_outer(x, qw)
