@@ -6,7 +6,8 @@ for the k-quants; uint8 [N, row_bytes]): the bytes of the GGUF file, unchanged. 
 x @ W.T on them:
 
 * ``mode="int8"``: activations quantised per 32-block to int8, integer dot products (AVX2
-  maddubs/madd), fp32 accumulation (llama.cpp's scheme);
+  maddubs/madd, or VNNI's vpdpbusd where the CPU has AVX-512 VNNI: the same sums), fp32 accumulation
+  (llama.cpp's scheme);
 * ``mode="exact"``: each block dequantised to fp32 in registers against fp32 activations (equal to
   dequantise-then-fp32 up to the summation order).
 
@@ -49,6 +50,8 @@ def _configure(lib) -> None:
     lib.di_q_dequant_rows.argtypes = [fp, i64, i32, i64, fp, i64, fp]
     lib.di_q_dequant_rows.restype = i32
     lib.di_q_cpu_level.restype = i32
+    lib.di_q_set_level_cap.argtypes = [i32]
+    lib.di_q_set_level_cap.restype = None
     lib.di_qgemm_panel.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
     lib.di_qgemm_panel.restype = i32
     lib.di_qgemm_exact_bound.argtypes = [ctypes.POINTER(i64), fp, i64, fp]
@@ -68,8 +71,18 @@ def available() -> bool:
 
 
 def cpu_level() -> int:
-    """1 when the AVX2 + FMA + F16C kernels run on this CPU, 0 when only the scalar ones do."""
+    """The instruction-set level the kernels use on this CPU: 2 AVX-512 (F/BW/DQ/VL) as well as AVX2,
+    1 AVX2 + FMA + F16C, 0 only the scalar code; at most the cap `set_level_cap` set."""
     return int(_lib().di_q_cpu_level())
+
+
+def set_level_cap(level: int | None) -> None:
+    """Cap the level every quantised kernel uses (None: all the CPU has, the default); e.g. 1 runs the
+    AVX2 code on an AVX-512 host, for tests (the two must give the same bits) and side-by-side
+    measurements. Process-wide."""
+    if level is not None and (not isinstance(level, int) or level < 0):
+        raise KernelInputError(f"set_level_cap: level must be None or an int >= 0, got {level!r}")
+    _lib().di_q_set_level_cap(99 if level is None else level)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ wrong number. A tied embedding matrix stays quantised too; its lookups dequantis
 Small M (decode) runs the native row kernel, reading the weights as blocks (98 MB for SmolLM2-135M
 Q4_1 instead of 540 MB of fp32), through one `quant.RowKernel` per weight (arguments bound once,
 same bits; in the int8 mode it quantises the activations too). From OUTER_M rows both modes run
-csrc/qgemm_outer.c (16 weight rows dequantised into a transposed panel, a 6 x 16 outer-product
-tile): one fixed order per output, not the row kernel's. The batch-invariant mode instead runs the
+csrc/qgemm_outer.c (AVX2: 16 weight rows dequantised into a transposed panel, a 6 x 16 outer-product
+tile; AVX-512: x transposed once, 16 weight rows dequantised at a time and broadcast against an 8 x 48
+tile, the same bits): one fixed order per output, not the row kernel's. The batch-invariant mode instead runs the
 panel kernel there (csrc/qgemm_panel.c: bit-identical to the row kernel, so a row's bits never
 depend on M; its int8 rows stay int8). Without AVX2 many rows dequantise the matrix for the call
 and run oneDNN, as before.
@@ -29,11 +30,16 @@ from deepinfer.engine.placeholder import is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
 from deepinfer_kernels import native, quant
 
-# rows from which a call (default mode, AVX2) runs the outer-product kernel. Measured at 1 thread on this
-# AVX2 host (SmolLM2's Q4_1 shapes 960x576, 3072x576, 576x1536), ms: at 16 rows outer 0.41 / 0.98 /
-# 0.49 vs the exact row-or-panel path 0.40 / 1.08 / 0.58; at 32 rows 0.52 / 1.69 / 0.94 vs 0.68 / 2.20 /
-# 1.42; at 128 rows 1.73 / 6.65 / 3.33 vs 2.60 / 8.35 / 5.23, where the fp32 path's oneDNN GEMM on the
-# dequantised weights took 2.13 / 6.34 / 3.88. The int8 row kernel was slower than both from 16 rows.
+# rows from which a call (default mode, AVX2 or better) runs the outer-product kernel.
+# On the 2-core AVX-512 Zen 5 host (benchmarks/quant_outer_m.py, 2 threads, SmolLM2's Q4_1 shapes
+# 960x576, 3072x576, 576x1536 and the tied Q8_0 LM head 49152x576, medians of 9, arms alternating), ms,
+# row kernel (AVX-512) vs outer kernel (AVX-512): at 8 rows 0.062 / 0.249 / 0.081 / 2.78 vs 0.084 /
+# 0.359 / 0.119 / 4.65; at 12 rows 0.077 / 0.362 / 0.117 / 4.80 vs 0.075 / 0.365 / 0.122 / 5.52 (even);
+# at 16 rows 0.095 / 0.478 / 0.155 / 5.71 vs 0.072 / 0.363 / 0.125 / 4.99 (1.15-1.32x), so 16 stays.
+# Earlier, at 1 thread on an AVX2-only Zen 3 host, ms: at 16 rows outer 0.41 / 0.98 / 0.49 vs the exact
+# row-or-panel path 0.40 / 1.08 / 0.58; at 32 rows 0.52 / 1.69 / 0.94 vs 0.68 / 2.20 / 1.42; at 128 rows
+# 1.73 / 6.65 / 3.33 vs 2.60 / 8.35 / 5.23, where the fp32 path's oneDNN GEMM on the dequantised weights
+# took 2.13 / 6.34 / 3.88. The int8 row kernel was slower than both from 16 rows on both hosts.
 OUTER_M = 16
 # Without AVX2: rows from which the matrix is dequantised for the call and run on oneDNN (the row
 # kernel took 26.7 ms vs 14.4 for that on Q4_1 3072 x 576 at M = 128, 1 thread).
@@ -50,7 +56,7 @@ class QuantLinear:
         self.table = table
         self.mode = mode
         self.invariant = invariant
-        self.avx2 = quant.cpu_level() >= 1  # the panel and outer-product kernels are AVX2-only
+        self.avx2 = quant.cpu_level() >= 1  # the panel and outer-product kernels need AVX2 (or AVX-512)
         # the decode calls (below PANEL_M rows), arguments bound once per weight (same kernel, same bits)
         self.rows = {p: quant.RowKernel(q, mode) for p, q in table.items()}
 

@@ -12,10 +12,13 @@
  *  - exact (DI_Q_EXACT): each block's 32 weights dequantised to fp32 in registers and multiplied
  *    into fp32 activations; equals dequantise-then-fp32 up to the summation order.
  *  - int8 (DI_Q_INT8): the activations quantised per 32-block to int8 (scale max|x| / 127, one per
- *    block, by di_q8_quantize_rows), exact integer dot products per block (AVX2 maddubs/madd),
+ *    block, by di_q8_quantize_rows), exact integer dot products per block (AVX2 maddubs/madd, or VNNI),
  *    scaled and summed in fp32, as llama.cpp does (qgemm_i8.c).
  * Instruction set chosen at run time: AVX2 + FMA + F16C where the CPU has them (checked with
- * __builtin_cpu_supports), else portable scalar C; `level` 0 forces the scalar code (tests).
+ * __builtin_cpu_supports), else portable scalar C; `level` 0 forces the scalar code (tests). Where
+ * the CPU also has AVX-512 (di_q_cpu_level() 2) the exact 32-element row kernels run in zmm with the
+ * AVX2 code's bits (below), and the int8 dot uses VNNI (qgemm_avx2.h); di_q_set_level_cap(1) forces
+ * the AVX2 code (tests, side-by-side measurements).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -93,16 +96,32 @@ int di_q_block_elems(int fmt) { return is_kquant(fmt) ? QK_K : block_bytes(fmt) 
 
 float di_q_half(uint16_t h) { return half_to_float(h); }
 
+/* the highest level the kernels may use (di_q_set_level_cap: tests and side-by-side measurements run
+ * the AVX2 code on an AVX-512 host) */
+static volatile int level_cap = 2;
+
+/* 0: scalar; 1: AVX2 + FMA + F16C; 2: that and AVX-512 F/BW/DQ/VL (the outer-product kernel's wide
+ * tile, qgemm_outer.c); capped by di_q_set_level_cap */
 int di_q_cpu_level(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 1 : 0;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    const int level = avx512 ? 2 : avx2 ? 1 : 0;
+    return level < level_cap ? level : level_cap;
 }
 
-static void dequant_row_avx2(int fmt, const uint8_t *row, int64_t K, float *out);
+void di_q_set_level_cap(int cap) { level_cap = cap < 0 ? 0 : cap; }
 
+static void dequant_row_avx2(int fmt, const uint8_t *row, int64_t K, float *out);
+static void dequant_row_512(int fmt, const uint8_t *row, int64_t K, float *out);
+
+/* avx2: the level to use, 0 scalar, 1 AVX2, 2 AVX-512 (the 32-element formats; the same values) */
 void di_q_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *out) {
     if (is_kquant(fmt)) {
         di_qk_dequant_row(fmt, avx2, row, K, out);
+    } else if (avx2 >= 2) {
+        dequant_row_512(fmt, row, K, out);
     } else if (avx2) {
         dequant_row_avx2(fmt, row, K, out);
     } else {
@@ -248,6 +267,97 @@ AVX2 static void nrows_exact(int fmt, const uint8_t *w, int64_t row_bytes, int64
     else nrows_exact_avx2(FMT_Q4_1, w, row_bytes, nb, x, y);
 }
 
+/* ---- AVX-512 (level 2): the same arithmetic in half the instructions --------------------------------
+ * A zmm accumulator holds the AVX2 tile's two chains side by side (lanes 0-7 = a0, 8-15 = a1), and a
+ * block's weights are two zmm vectors (elements 0-15, 16-31) dequantised by the same operations per
+ * element. acc += w[0..16) * x[0..16) then w[16..32) * x[16..32) adds elements j then j + 16 into lane j
+ * of a0 and j + 8, j + 24 into a1: the AVX2 order exactly, and the final sum is hsum8(a0 + a1). So the
+ * bits are those of the AVX2 kernels (and of the panel kernel, the batch-invariant mode's many-row
+ * path). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+AVX512 static inline void dequant_block_512(const int fmt, const uint8_t *b, __m512 w[2]) {
+    const __m512 d = _mm512_set1_ps(f16(b));
+    if (fmt == FMT_Q8_0) {
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
+        return;
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (fmt == FMT_Q4_1 ? 4 : 2))));
+    const __m512 m = fmt == FMT_Q4_1 ? _mm512_set1_ps(f16(b + 2)) : _mm512_set1_ps(-8.f * f16(b));
+    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xf))), d, m);
+    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+}
+
+AVX512 static void dequant_row_512(int fmt, const uint8_t *row, int64_t K, float *out) {
+    const int bb = block_bytes(fmt);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        __m512 w[2];
+        dequant_block_512(fmt, row + b * bb, w);
+        _mm512_storeu_ps(out + b * QK, w[0]);
+        _mm512_storeu_ps(out + b * QK + 16, w[1]);
+    }
+}
+
+AVX512 static inline float hsum_pair(__m512 a) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+}
+
+/* rows_exact_avx2 for up to MR rows of x */
+AVX512 static inline __attribute__((always_inline)) void rows_exact_512(const int fmt, const uint8_t *wrow,
+                                                                       int64_t nb, const float *x, int64_t ldx,
+                                                                       const int mr, float *y, int64_t ldy) {
+    const int bb = block_bytes(fmt);
+    __m512 a[MR];
+    for (int r = 0; r < MR; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 w[2];
+        if (mr == 1) _mm_prefetch((const char *)(wrow + b * bb + PF), _MM_HINT_T0);
+        dequant_block_512(fmt, wrow + b * bb, w);
+        for (int r = 0; r < mr; ++r) {
+            const float *xb = x + r * ldx + b * QK;
+            a[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a[r]);
+            a[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), a[r]);
+        }
+    }
+    for (int r = 0; r < mr; ++r) y[r * ldy] = hsum_pair(a[r]);
+}
+
+AVX512 static void exact_512_tile(int fmt, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx, int mr,
+                                  float *y, int64_t ldy) {
+#define EX(R) (fmt == FMT_Q4_0 ? rows_exact_512(FMT_Q4_0, wrow, nb, x, ldx, R, y, ldy) \
+             : fmt == FMT_Q4_1 ? rows_exact_512(FMT_Q4_1, wrow, nb, x, ldx, R, y, ldy) \
+                               : rows_exact_512(FMT_Q8_0, wrow, nb, x, ldx, R, y, ldy))
+    TILE_CASES(EX)
+#undef EX
+}
+
+/* nrows_exact_avx2 in zmm: NR weight rows against one row of x */
+AVX512 static inline __attribute__((always_inline)) void nrows_exact_512(const int fmt, const uint8_t *w,
+                                                                        int64_t row_bytes, int64_t nb,
+                                                                        const float *x, float *y) {
+    const int bb = block_bytes(fmt);
+    __m512 a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const float *xb = x + b * QK;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        for (int i = 0; i < NR; ++i) _mm_prefetch((const char *)(w + i * row_bytes + b * bb + PF), _MM_HINT_T0);
+        for (int i = 0; i < NR; ++i) {
+            __m512 v[2];
+            dequant_block_512(fmt, w + i * row_bytes + b * bb, v);
+            a[i] = _mm512_fmadd_ps(v[0], x0, a[i]);
+            a[i] = _mm512_fmadd_ps(v[1], x1, a[i]);
+        }
+    }
+    for (int i = 0; i < NR; ++i) y[i] = hsum_pair(a[i]);
+}
+
+AVX512 static void nrows_exact512(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nb, const float *x, float *y) {
+    if (fmt == FMT_Q4_0) nrows_exact_512(FMT_Q4_0, w, row_bytes, nb, x, y);
+    else nrows_exact_512(FMT_Q4_1, w, row_bytes, nb, x, y);
+}
+
 /* y [M, N] (rows ldy apart) = x [M, K] @ W.T for W [N, K] in `fmt` blocks, rows row_bytes apart.
  * mode DI_Q_EXACT reads x (fp32, rows ldx apart); DI_Q_INT8 reads qx/xs/xsum from
  * di_q8_quantize_rows. level: 1 = AVX2 where the CPU has it, 0 = scalar. Threads split N in chunks. */
@@ -255,7 +365,8 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
              int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N, int64_t K, float *y, int64_t ldy) {
     const int be = di_q_block_elems(fmt);
     if (!be || K % be) return 1;
-    const int avx2 = level >= 1 && di_q_cpu_level() >= 1;
+    const int cpu = di_q_cpu_level();
+    const int avx2 = level >= 1 && cpu >= 1, avx512 = level >= 1 && cpu >= 2;
     const int64_t nb = K / QK;
     /* chunks of NC weight rows: a chunk's blocks and a tile's activations both stay in L1 while
      * every tile of x sweeps the chunk (n innermost was 2x slower at 128 rows: x re-read from L2) */
@@ -265,7 +376,7 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
     for (int64_t c = 0; c < chunks; ++c) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
         if (mode == DI_Q_INT8 && be == QK) { /* qgemm_i8.c */
-            di_qi8_chunk(fmt, avx2, w, row_bytes, c * NC, n1, qx, xs, xsum, M, K, y, ldy);
+            di_qi8_chunk(fmt, avx2 ? cpu : 0, w, row_bytes, c * NC, n1, qx, xs, xsum, M, K, y, ldy);
             continue;
         }
         for (int64_t r0 = 0; r0 < M; r0 += MR) {
@@ -274,13 +385,18 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
             /* one row of x, 4-bit formats: NR weight rows at a time, then the rest one by one. Not Q8_0:
              * there NR = 4 took 2x longer on the 49152 x 576 lm_head (same time at 3072 x 576) */
             if (mr == 1 && avx2 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1))
-                for (; n + NR <= n1; n += NR) nrows_exact(fmt, w + n * row_bytes, row_bytes, nb, x + r0 * ldx, y + r0 * ldy + n);
+                for (; n + NR <= n1; n += NR) {
+                    if (avx512) nrows_exact512(fmt, w + n * row_bytes, row_bytes, nb, x + r0 * ldx, y + r0 * ldy + n);
+                    else nrows_exact(fmt, w + n * row_bytes, row_bytes, nb, x + r0 * ldx, y + r0 * ldy + n);
+                }
             for (; n < n1; ++n) {
                 const uint8_t *wrow = w + n * row_bytes;
                 float *yr = y + r0 * ldy + n;
                 if (be == QK_K) {
-                    di_qk_tile(mode, avx2, fmt, wrow, K, x ? x + r0 * ldx : 0, ldx, qx ? qx + r0 * K : 0,
+                    di_qk_tile(mode, avx2 ? cpu : 0, fmt, wrow, K, x ? x + r0 * ldx : 0, ldx, qx ? qx + r0 * K : 0,
                                xs ? xs + r0 * nb : 0, xsum ? xsum + r0 * nb : 0, mr, yr, ldy);
+                } else if (avx512) {
+                    exact_512_tile(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
                 } else if (avx2) {
                     exact_avx2_tile(fmt, wrow, nb, x + r0 * ldx, ldx, mr, yr, ldy);
                 } else {

@@ -19,7 +19,8 @@ int di_qgemm_int8_bound(const int64_t *wargs, const float *x, int64_t M, float *
 
 int di_q_block_bytes(int fmt);
 int di_q_block_elems(int fmt);
-int di_q_cpu_level(void);
+int di_q_cpu_level(void); /* 0 scalar, 1 AVX2 + FMA + F16C, 2 also AVX-512 F/BW/DQ/VL */
+void di_q_set_level_cap(int cap);
 float di_q_half(uint16_t h);
 
 /* one weight row of K elements as fp32 (any format); avx2: use the AVX2 code */
@@ -27,11 +28,11 @@ void di_q_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *o
 
 /* k-quants: one row of W against up to 4 rows of x (exact) or of qx/xs/xsum (int8) */
 void di_qk_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *out);
-void di_qk_tile(int mode, int avx2, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
+void di_qk_tile(int mode, int level, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
                 const int8_t *qx, const float *xs, const float *xsum, int mr, float *y, int64_t ldy);
 
 /* the int8 mode of the 32-element formats (qgemm_i8.c): rows n0 <= n < n1 of W for all M rows of x */
 int di_q8_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *scale, float *bsum);
-void di_qi8_chunk(int fmt, int avx2, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const int8_t *qx,
+void di_qi8_chunk(int fmt, int level, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const int8_t *qx,
                   const float *xs, const float *xsum, int64_t M, int64_t K, float *y, int64_t ldy);
 #endif

@@ -13,11 +13,31 @@ AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* VNNI's vpdpbusd (u8 x s8, four products summed into each int32 lane) where the library's build
+ * target has it (-march=native: the build host is the run host, the library cache is keyed by the CPU).
+ * It gives the lanes maddubs + madd give: the same four bytes per lane, and maddubs cannot saturate
+ * for these operands (|activation| <= 127 (di_q8_quantize_rows), weights 0..15 for the 4-bit
+ * formats, |w| <= 128 for Q8_0 and 32 for the k-quants: |pair sum| <= 2 * 128 * 127 = 32512 <
+ * 32767), so the integer dots and the results are the same bits either way. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DI_HAVE_VNNI 1
+#endif
+
+/* 8 int32 lanes, lane i = sum of u_j * s_j over bytes j = 4i .. 4i + 3 (u unsigned, s signed);
+ * vnni: use vpdpbusd (only where DI_HAVE_VNNI, else ignored) */
+AVX2 static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i u, __m256i s, const int vnni) {
+#ifdef DI_HAVE_VNNI
+    if (vnni) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    (void)vnni;
+#endif
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
 /* sum over 32 bytes of w_j * q_j as 8 int32 lanes: maddubs needs an unsigned left operand, so signed
  * weights go in as |w| with their sign moved onto the activations */
-AVX2 static inline __m256i dot_i8(__m256i w_signed, __m256i q) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w_signed, w_signed), _mm256_sign_epi8(q, w_signed));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+AVX2 static inline __attribute__((always_inline)) __m256i dot_i8(__m256i w_signed, __m256i q, const int vnni) {
+    return dot_u8s8(_mm256_sign_epi8(w_signed, w_signed), _mm256_sign_epi8(q, w_signed), vnni);
 }
 
 /* 32 dequantised weights w[4] against x rows r < mr (ldx apart, from xb): two accumulator chains per

@@ -11,6 +11,8 @@
  * in b order, y = acc + macc. Bit-identical across paths and batch sizes (batch-invariant), and the
  * scalar code is the reference the AVX2 code is tested against bit for bit.
  *
+ * VNNI (vpdpbusd) replaces maddubs + madd where the build has it, the same bits (qgemm_avx2.h).
+ *
  * AVX2: G = 8 weight rows side by side against one row of x. Each row's integer dot is 8 partial
  * int32 lanes (maddubs/madd); the 8 rows' lanes are summed into one vector of 8 totals (a
  * transpose-add of unpacks), and the rows' scales, gathered into one vector, multiply all 8 at
@@ -130,11 +132,11 @@ AVX2 static inline __m256i nibbles(const uint8_t *qs) {
 }
 
 /* 8 int32 lanes whose sum is the block's dot product; Q4_0 without its -8 (the caller subtracts 8 sum q) */
-AVX2 static inline __m256i block_dot(const int fmt, const uint8_t *blk, __m256i a) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (fmt == FMT_Q8_0) return dot_i8(_mm256_loadu_si256((const __m256i *)(blk + 2)), a);
+AVX2 static inline __attribute__((always_inline)) __m256i block_dot(const int fmt, const uint8_t *blk, __m256i a,
+                                                                     const int vnni) {
+    if (fmt == FMT_Q8_0) return dot_i8(_mm256_loadu_si256((const __m256i *)(blk + 2)), a, vnni);
     /* 4-bit quants are 0..15: unsigned already, maddubs takes them as they are */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles(blk + (fmt == FMT_Q4_1 ? 4 : 2)), a), ones);
+    return dot_u8s8(nibbles(blk + (fmt == FMT_Q4_1 ? 4 : 2)), a, vnni);
 }
 
 /* 8 * sum_j q_j of an activation block in every lane (Q4_0: sum (w - 8) q = sum w q - 8 sum q, exact) */
@@ -154,14 +156,15 @@ AVX2 static inline int hsum_i32(__m256i v) {
 }
 
 /* one weight row (the rows a group of G does not fill): row_scalar's operations, the dot in AVX2 */
-AVX2 static float row_avx2(const int fmt, const uint8_t *wrow, int64_t nb, const int8_t *q, const float *xs,
-                           const float *xsum) {
+AVX2 static inline __attribute__((always_inline)) float row_avx2(const int fmt, const uint8_t *wrow, int64_t nb,
+                                                                const int8_t *q, const float *xs, const float *xsum,
+                                                                const int vnni) {
     const int bb = fmt_bytes(fmt);
     float acc = 0.f, macc = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = wrow + b * bb;
         const __m256i a = _mm256_loadu_si256((const __m256i *)(q + b * QK));
-        int dot = hsum_i32(block_dot(fmt, blk, a));
+        int dot = hsum_i32(block_dot(fmt, blk, a, vnni));
         if (fmt == FMT_Q4_0) dot -= _mm256_cvtsi256_si32(sum8_q(a));
         acc = fmaf((float)dot, _cvtsh_ss(rd16(blk)) * xs[b], acc);
         if (fmt == FMT_Q4_1) macc = fmaf(_cvtsh_ss(rd16(blk + 2)), xsum[b], macc);
@@ -190,7 +193,8 @@ AVX2 static inline __m256i quad_sum(__m256i ab, __m256i cd) {
  * (d, m) pairs of rows 0-3 and 4-7 land in after one conversion and shuffle each; put back on store. */
 AVX2 static inline __attribute__((always_inline)) void group_avx2(const int fmt, const uint8_t *w, int64_t rb,
                                                                   int64_t nb, const int8_t *q, const float *xs,
-                                                                  const float *xsum, float *y, int pf) {
+                                                                  const float *xsum, float *y, int pf,
+                                                                  const int vnni) {
     const int bb = fmt_bytes(fmt);
     __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
     const char *pfp = (const char *)w + QI8_PFG * G * rb;
@@ -199,10 +203,10 @@ AVX2 static inline __attribute__((always_inline)) void group_avx2(const int fmt,
         if (pf) /* the G rows' bytes of block b, QI8_PFG groups ahead in the linear stream */
             for (int o = 0; o < G * bb; o += 64) _mm_prefetch(pfp + b * (G * bb) + o, _MM_HINT_T0);
         const __m256i a = _mm256_loadu_si256((const __m256i *)(q + b * QK));
-        const __m256i t01 = pair_sum(block_dot(fmt, p, a), block_dot(fmt, p + rb, a));
-        const __m256i t45 = pair_sum(block_dot(fmt, p + 4 * rb, a), block_dot(fmt, p + 5 * rb, a));
-        const __m256i t23 = pair_sum(block_dot(fmt, p + 2 * rb, a), block_dot(fmt, p + 3 * rb, a));
-        const __m256i t67 = pair_sum(block_dot(fmt, p + 6 * rb, a), block_dot(fmt, p + 7 * rb, a));
+        const __m256i t01 = pair_sum(block_dot(fmt, p, a, vnni), block_dot(fmt, p + rb, a, vnni));
+        const __m256i t45 = pair_sum(block_dot(fmt, p + 4 * rb, a, vnni), block_dot(fmt, p + 5 * rb, a, vnni));
+        const __m256i t23 = pair_sum(block_dot(fmt, p + 2 * rb, a, vnni), block_dot(fmt, p + 3 * rb, a, vnni));
+        const __m256i t67 = pair_sum(block_dot(fmt, p + 6 * rb, a, vnni), block_dot(fmt, p + 7 * rb, a, vnni));
         const __m256i u = quad_sum(t01, t45), v = quad_sum(t23, t67); /* rows (0 1 4 5), (2 3 6 7) */
         __m256i dot = _mm256_add_epi32(_mm256_blend_epi32(u, v, 0xf0), _mm256_permute2x128_si256(u, v, 0x21));
         if (fmt == FMT_Q4_0) dot = _mm256_sub_epi32(dot, sum8_q(a));
@@ -218,30 +222,55 @@ AVX2 static inline __attribute__((always_inline)) void group_avx2(const int fmt,
     _mm256_storeu_ps(y, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)));
 }
 
-AVX2 static void chunk_avx2(const int fmt, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
-                            const int8_t *qx, const float *xs, const float *xsum, int64_t M, int64_t K, float *y,
-                            int64_t ldy) {
+AVX2 static inline __attribute__((always_inline)) void chunk_avx2(const int fmt, const uint8_t *w, int64_t rb,
+                                                                  int64_t n0, int64_t n1, int64_t nb,
+                                                                  const int8_t *qx, const float *xs,
+                                                                  const float *xsum, int64_t M, int64_t K, float *y,
+                                                                  int64_t ldy, const int vnni) {
     for (int64_t r = 0; r < M; ++r) {
         const int8_t *q = qx + r * K;
         const float *s = xs + r * nb, *sm = xsum + r * nb;
         float *yr = y + r * ldy;
         int64_t n = n0;
         /* prefetch only for the first row of x: the chunk's weights are in L1 for the others */
-        for (; n + G <= n1; n += G) group_avx2(fmt, w + n * rb, rb, nb, q, s, sm, yr + n, r == 0);
-        for (; n < n1; ++n) yr[n] = row_avx2(fmt, w + n * rb, nb, q, s, sm);
+        for (; n + G <= n1; n += G) group_avx2(fmt, w + n * rb, rb, nb, q, s, sm, yr + n, r == 0, vnni);
+        for (; n < n1; ++n) yr[n] = row_avx2(fmt, w + n * rb, nb, q, s, sm, vnni);
     }
 }
 
+/* the format and VNNI as compile-time constants in each copy of the loop */
+AVX2 static void chunk_fmt(const int fmt, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
+                           const int8_t *qx, const float *xs, const float *xsum, int64_t M, int64_t K, float *y,
+                           int64_t ldy) {
+    if (fmt == FMT_Q4_0) chunk_avx2(FMT_Q4_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 0);
+    else if (fmt == FMT_Q4_1) chunk_avx2(FMT_Q4_1, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 0);
+    else chunk_avx2(FMT_Q8_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 0);
+}
+
+#ifdef DI_HAVE_VNNI
+AVX2 static void chunk_fmt_vnni(const int fmt, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
+                                const int8_t *qx, const float *xs, const float *xsum, int64_t M, int64_t K, float *y,
+                                int64_t ldy) {
+    if (fmt == FMT_Q4_0) chunk_avx2(FMT_Q4_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 1);
+    else if (fmt == FMT_Q4_1) chunk_avx2(FMT_Q4_1, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 1);
+    else chunk_avx2(FMT_Q8_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 1);
+}
+#endif
+
 /* y[r, n] for r < M, n0 <= n < n1 (y rows ldy apart) in the int8 mode; qx [M, K] / xs, xsum [M, K / 32]
- * from di_q8_quantize_rows. */
-void di_qi8_chunk(int fmt, int avx2, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const int8_t *qx,
+ * from di_q8_quantize_rows. level: di_q_cpu_level() (capped), 0 for the scalar code; VNNI from 2 where
+ * the build has it (bit-identical to the maddubs code, qgemm_avx2.h). */
+void di_qi8_chunk(int fmt, int level, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const int8_t *qx,
                   const float *xs, const float *xsum, int64_t M, int64_t K, float *y, int64_t ldy) {
     const int64_t nb = K / QK;
-    if (avx2) {
-        /* the format as a compile-time constant in each copy of the loop */
-        if (fmt == FMT_Q4_0) chunk_avx2(FMT_Q4_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy);
-        else if (fmt == FMT_Q4_1) chunk_avx2(FMT_Q4_1, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy);
-        else chunk_avx2(FMT_Q8_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy);
+#ifdef DI_HAVE_VNNI
+    if (level >= 2) {
+        chunk_fmt_vnni(fmt, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy);
+        return;
+    }
+#endif
+    if (level >= 1) {
+        chunk_fmt(fmt, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy);
         return;
     }
     for (int64_t r = 0; r < M; ++r)

@@ -17,6 +17,7 @@
  * int8 dot products (int8). One fixed reduction order per output element, whatever M.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "qgemm.h"
@@ -133,7 +134,7 @@ static void tile_int8_scalar(int fmt, const uint8_t *wrow, int64_t K, const int8
                     d1 += q[32 * g + 16 + l] * a[16 + l];
                 }
                 acc[r] += ((float)d0 * s.scale[2 * g] + (float)d1 * s.scale[2 * g + 1]) * xs[r * nb + blk];
-                macc[r] += s.off[g] * xsum[r * nb + blk];
+                macc[r] = fmaf(s.off[g], xsum[r * nb + blk], macc[r]);
             }
     }
     for (int r = 0; r < mr; ++r) y[r * ldy] = acc[r] + macc[r];
@@ -223,7 +224,8 @@ AVX2 static inline __attribute__((always_inline)) void tile_exact_avx2(int fmt, 
 AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2(int fmt, const uint8_t *wrow, int64_t K,
                                                                       const int8_t *qx, const float *xs,
                                                                       const float *xsum, int mr, float *y,
-                                                                      int64_t ldy) {
+                                                                      int64_t ldy,
+                                                                      const int vnni) {
     const int bb = kq_bytes(fmt);
     const int64_t nb = K / QK;
     __m256 acc[MR];
@@ -243,8 +245,9 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2(int fmt, c
             for (int r = 0; r < mr; ++r) {
                 const __m256i a = _mm256_loadu_si256((const __m256i *)(qx + r * K + blk * QK));
                 const __m256 f = _mm256_mul_ps(sc, _mm256_set1_ps(xs[r * nb + blk]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i8(q[g], a)), f, acc[r]);
-                macc[r] += s.off[g] * xsum[r * nb + blk];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i8(q[g], a, vnni)), f, acc[r]);
+                /* an explicit fma: left to -ffp-contract, the VNNI build gave the 2-row tile other bits */
+                macc[r] = fmaf(s.off[g], xsum[r * nb + blk], macc[r]);
             }
         }
     }
@@ -255,12 +258,13 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2(int fmt, c
 #define KQ_CASES(CALL)                                                                                    \
     switch (mr) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
 
-AVX2 static void tile_avx2(int mode, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
+AVX2 static void tile_avx2(int mode, int vnni, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
                            const int8_t *qx, const float *xs, const float *xsum, int mr, float *y, int64_t ldy) {
 #define EX(R) (fmt == FMT_Q4_K ? tile_exact_avx2(FMT_Q4_K, wrow, K, x, ldx, R, y, ldy) \
                                : tile_exact_avx2(FMT_Q6_K, wrow, K, x, ldx, R, y, ldy))
-#define I8(R) (fmt == FMT_Q4_K ? tile_int8_avx2(FMT_Q4_K, wrow, K, qx, xs, xsum, R, y, ldy) \
-                               : tile_int8_avx2(FMT_Q6_K, wrow, K, qx, xs, xsum, R, y, ldy))
+#define I8V(R, V) (fmt == FMT_Q4_K ? tile_int8_avx2(FMT_Q4_K, wrow, K, qx, xs, xsum, R, y, ldy, V) \
+                                   : tile_int8_avx2(FMT_Q6_K, wrow, K, qx, xs, xsum, R, y, ldy, V))
+#define I8(R) (vnni ? I8V(R, 1) : I8V(R, 0))
     if (mode == DI_Q_EXACT) {
         KQ_CASES(EX)
     } else {
@@ -268,6 +272,7 @@ AVX2 static void tile_avx2(int mode, int fmt, const uint8_t *wrow, int64_t K, co
     }
 #undef EX
 #undef I8
+#undef I8V
 }
 
 /* ---- entry points ---------------------------------------------------------------------------------- */
@@ -276,9 +281,16 @@ void di_qk_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *
     else dequant_row_scalar(fmt, row, K, out);
 }
 
-void di_qk_tile(int mode, int avx2, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
+/* level: di_q_cpu_level() (capped), 0 for the scalar code; the int8 dot in VNNI from 2 where the build
+ * has it (the same bits, qgemm_avx2.h) */
+void di_qk_tile(int mode, int level, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
                 const int8_t *qx, const float *xs, const float *xsum, int mr, float *y, int64_t ldy) {
-    if (avx2) tile_avx2(mode, fmt, wrow, K, x, ldx, qx, xs, xsum, mr, y, ldy);
+#ifdef DI_HAVE_VNNI
+    const int vnni = level >= 2;
+#else
+    const int vnni = 0;
+#endif
+    if (level >= 1) tile_avx2(mode, vnni, fmt, wrow, K, x, ldx, qx, xs, xsum, mr, y, ldy);
     else if (mode == DI_Q_EXACT) tile_exact_scalar(fmt, wrow, K, x, ldx, mr, y, ldy);
     else tile_int8_scalar(fmt, wrow, K, qx, xs, xsum, mr, y, ldy);
 }

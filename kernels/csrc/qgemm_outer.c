@@ -12,6 +12,15 @@
  * K blocks, which does not change it), whatever M or the tile a row falls in: still one fixed order
  * per output, so a row's result does not depend on the batch here, but it is not the row kernels'
  * order, so the bits differ from those of small M. The batch-invariant mode does not use it.
+ *
+ * Where di_q_cpu_level() is 2 (AVX-512) the kernel below (outer512) runs instead, with the same bits
+ * (tests/kernels/test_quant_levels.py). On the 2-core AVX-512 Zen 5 host, 2 threads, medians
+ * (benchmarks/quant_outer_m.py), it took 1.7-2.3x less time than this AVX2 tile on SmolLM2's shapes at
+ * 32-640 rows and ran at 0.90-1.12x the fp32 engine's GEMM on the same weights (fp32 / outer at 32, 128,
+ * 640 rows: qkv 960x576 1.00 / 1.00 / 0.91, gate_up 3072x576 1.12 / 0.98 / 0.99, down 576x1536 1.00 /
+ * 0.92 / 0.90, Q8_0 LM head 49152x576 0.97 / 1.05 / 1.03). A first AVX-512 version kept this design
+ * with a 48-wide panel and an 8 x 48 tile: 1.3-2.2x the AVX2 tile from 16 rows, but the dequantise-
+ * and-transpose of the panel was about half the time at 16-32 rows (0.71-1.06x fp32 there).
  */
 #include <immintrin.h>
 #include <stdlib.h>
@@ -103,12 +112,126 @@ AVX2 static void sweep(const float *x, int64_t ldx, int64_t M, const float *pane
     }
 }
 
+/* ---- AVX-512: the roles swapped, no weight transpose -------------------------------------------------
+ * The AVX2 path's per-call cost at 16-32 rows is mostly the panel: dequantise 16 rows, then transpose
+ * them. Here x is transposed once per call instead (xT [K][Mp], Mp = M rounded up to 16, zero rows past
+ * M; M x K is small next to N x K), the weights are dequantised 16 rows at a time into a row buffer
+ * (AVX-512 dequantiser) and stay there while an 8 x 48 register tile (24 zmm: 8 weight rows by 48 rows
+ * of x; 16 x 16 where one vector of x is left) sweeps xT: per k, three loads of xT and eight
+ * broadcasts of one dequantised weight feed 24 FMAs. Each output is still one FMA chain over k = 0 .. K-1 in order from 0 (w * x + acc: the product
+ * the AVX2 tile forms, x * w, is the same number), so the bits equal the AVX2 path's. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#ifndef WR
+#define WR 16 /* weight rows per group */
+#endif
+#define XV 3 /* 16-row vectors of x per register tile, at most */
+#ifndef XB_BYTES
+#define XB_BYTES (640 << 10) /* xT bytes per pass over the weights (L2: 1 MB per core here) */
+#endif
+
+/* acc[j][c] lane i = sum_k w[j * K + k] * xT[k * ldt + 16 c + i] for j < wr; y[r, j] for r < mr, j < nj */
+AVX512 static inline __attribute__((always_inline)) void tile512(const int wr, const int xv, const float *w,
+                                                                int64_t K, const float *xT, int64_t ldt, int mr,
+                                                                int nj, float *y, int64_t ldy) {
+    __m512 acc[WR][XV];
+    for (int j = 0; j < wr; ++j)
+        for (int c = 0; c < xv; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        __m512 xk[XV];
+        for (int c = 0; c < xv; ++c) xk[c] = _mm512_load_ps(xT + k * ldt + 16 * c);
+        for (int j = 0; j < wr; ++j) {
+            const __m512 wb = _mm512_set1_ps(w[j * K + k]);
+            for (int c = 0; c < xv; ++c) acc[j][c] = _mm512_fmadd_ps(wb, xk[c], acc[j][c]);
+        }
+    }
+    float t[WR][16 * XV] __attribute__((aligned(64)));
+    for (int j = 0; j < wr; ++j)
+        for (int c = 0; c < xv; ++c) _mm512_store_ps(t[j] + 16 * c, acc[j][c]);
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nj; ++j) y[r * ldy + j] = t[j][r];
+}
+
+/* xT[k * ldt + r] = x[r, k] for r < M, 0 for M <= r < ldt; rows k0 <= k < k1 (k1 - k0 a multiple of 8):
+ * 8 x 8 blocks in registers, the rows past the last whole 8 one by one (the scalar loop alone took
+ * ~0.1 ms of the 576 x 1536 projection at 128 rows) */
+AVX2 static void transpose_x(const float *x, int64_t ldx, int64_t M, int64_t k0, int64_t k1, float *xT,
+                             int64_t ldt) {
+    const int64_t m8 = M / 8 * 8;
+    for (int64_t k = k0; k < k1; k += 8)
+        for (int64_t r = 0; r < m8; r += 8) transpose8(x + r * ldx + k, ldx, xT + k * ldt + r, ldt);
+    for (int64_t k = k0; k < k1; ++k) {
+        float *d = xT + k * ldt;
+        for (int64_t r = m8; r < M; ++r) d[r] = x[r * ldx + k];
+        for (int64_t r = M; r < ldt; ++r) d[r] = 0.f;
+    }
+}
+
+AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
+                           int64_t N, int64_t K, float *y, int64_t ldy) {
+    const int64_t ldt = (M + 15) / 16 * 16, groups = (N + WR - 1) / WR;
+    /* rows of x per pass over the weights: a pass's slice of xT (mb x K) stays in L2 while every group
+     * of weight rows sweeps it (prefill: 2560 rows of K = 576 are 5.9 MB); the weights are dequantised
+     * once per pass */
+    int64_t mb = XB_BYTES / (4 * K) / (16 * XV) * (16 * XV);
+    if (mb < 16 * XV) mb = 16 * XV;
+    float *xT = aligned_alloc(64, (size_t)(K * ldt) * sizeof(float));
+    if (!xT) return 1;
+    const int par = groups > 1 && M * N * K >= 32768;
+    int failed = 0;
+#pragma omp parallel if (par)
+    {
+        /* the transpose in blocks of k, shared by all threads */
+#pragma omp for schedule(static)
+        for (int64_t k0 = 0; k0 < K; k0 += 32) transpose_x(x, ldx, M, k0, k0 + 32 < K ? k0 + 32 : K, xT, ldt);
+        float *wb = aligned_alloc(64, (size_t)(WR * K) * sizeof(float));
+        if (!wb) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = M - m0 < mb ? M : m0 + mb;
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; ++g) {
+                if (!wb) continue;
+                const int64_t n0 = g * WR;
+                const int nj = N - n0 < WR ? (int)(N - n0) : WR;
+                for (int j = 0; j < WR; ++j) {
+                    if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wb + j * K);
+                    else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
+                }
+                for (int64_t r = m0; r < m1; r += 16 * XV) {
+                    const int64_t rest = m1 - r;
+                    const int mr = rest < 16 * XV ? (int)rest : 16 * XV;
+                    float *yr = y + r * ldy + n0;
+                    /* up to 24 accumulators: 16 weight rows by one vector of x, 8 by two or three */
+                    switch ((mr + 15) / 16) {
+                    case 3:
+                        for (int j = 0; j < nj; j += 8)
+                            tile512(8, 3, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
+                        break;
+                    case 2:
+                        for (int j = 0; j < nj; j += 8)
+                            tile512(8, 2, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
+                        break;
+                    default: tile512(WR, 1, wb, K, xT + r, ldt, mr, nj, yr, ldy); break;
+                    }
+                }
+            }
+        }
+        free(wb);
+    }
+    free(xT);
+    return failed;
+}
+
 /* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) @ W.T, W as rows of blocks (row_bytes apart);
- * 1 when refused (no AVX2, unknown format, K not whole blocks, no memory). */
+ * 1 when refused (no AVX2, unknown format, K not whole blocks, no memory). The AVX-512 tile where
+ * di_q_cpu_level() says so (2), else the AVX2 one: the same bits either way. */
 int di_qgemm_outer(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt, int64_t N,
                    int64_t K, float *y, int64_t ldy) {
-    const int be = di_q_block_elems(fmt);
-    if (!be || K % be || K % 32 || di_q_cpu_level() < 1) return 1;
+    const int be = di_q_block_elems(fmt), level = di_q_cpu_level();
+    if (!be || K % be || K % 32 || level < 1) return 1;
+    if (level >= 2) return outer512(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
     const int64_t panels = (N + ON - 1) / ON;
     int failed = 0;
 #pragma omp parallel if (panels > 1 && M * N * K >= 32768)

@@ -38,7 +38,8 @@ def engines():
 
 @pytest.fixture(scope="module")
 def fp32_outputs(engines):
-    return engines["float32"].generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0))
+    return engines["float32"].generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0,
+                                                               logprobs=0))
 
 
 @needs_native
@@ -56,17 +57,25 @@ def test_resident_memory_within_checkpoint_budget(engines):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["quantized_exact", "quantized"])
 def test_logprobs_and_greedy_vs_fp32(engines, fp32_outputs, dtype):
-    outs = engines[dtype].generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0))
-    worst, agree = 0.0, 0
+    outs = engines[dtype].generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0,
+                                                           logprobs=0))
+    worst, decode_diff, agree = 0.0, 0.0, 0
     for a, b in zip(fp32_outputs, outs):
         pa = [x.logprob for x in a.prompt_logprobs if x is not None]
         pb = [x.logprob for x in b.prompt_logprobs if x is not None]
         assert len(pa) == len(pb) > 10
         worst = max(worst, max(abs(u - v) for u, v in zip(pa, pb)))
         agree += a.token_ids == b.token_ids
-    print(f"{dtype}: greedy identical to fp32 on {agree}/{len(PROMPTS)} prompts; max prompt logprob diff {worst:.2e}")
+        same = next((i for i, (u, v) in enumerate(zip(a.token_ids, b.token_ids)) if u != v), len(a.token_ids))
+        decode_diff = max([decode_diff] + [abs(u.logprob - v.logprob) for u, v in zip(a.logprobs[:same], b.logprobs[:same])])
+    print(f"{dtype}: greedy identical to fp32 on {agree}/{len(PROMPTS)} prompts; max prompt logprob diff {worst:.2e}, "
+          f"decode {decode_diff:.2e}")
     assert worst < LOGPROB_TOL[dtype]
-    assert worst > 0  # another arithmetic indeed ran
+    # another arithmetic indeed ran: at decode (8 rows: the row kernels). Not asserted on the prompts: where
+    # the fp32 GEMM is csrc/gemm.c (AVX-512 hosts) it has the outer-product kernel's order (one FMA chain
+    # per output over k in order) on the same dequantised values, so the prompts' logprobs are equal there
+    # (0 measured on the 2-core AVX-512 Zen 5 host, with the AVX2 tile too; 5.6e-5 on the AVX2-only host)
+    assert decode_diff > 0
     assert agree >= MIN_AGREE[dtype]
 
 

@@ -68,3 +68,4 @@ def test_quant_linear_uses_outer_by_default_and_the_panel_when_invariant(mode, m
     # below OUTER_M the default mode keeps the row kernels
     small = x[: quant_linear.OUTER_M - 1]
     assert torch.equal(default(small, ph), quant.qlinear(small, qw, mode=mode)) and not calls
+

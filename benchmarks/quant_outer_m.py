@@ -1,0 +1,81 @@
+"""Where the default mode should switch from the row kernel to the outer-product kernel (OUTER_M in
+deepinfer/engine/quant_linear.py), and the outer kernel's AVX-512 tile against its AVX2 tile: per
+SmolLM2-135M shape and row count, the row kernel (exact, what QuantLinear runs below OUTER_M), the
+outer kernel, and the int8 row kernel, each at the CPU's level and capped to its AVX2 code
+(quant.set_level_cap(1)), and the fp32 engine's own GEMM (CpuLinear) on the same weights. Arms alternate within each repetition; median ms.
+
+    python benchmarks/quant_outer_m.py [--rows 1 2 4 8 12 16 32 128] [--reps 15] [--fmt Q4_1] [--lm-head-fmt Q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from deepinfer.engine.cpu_linear import CpuLinear
+from deepinfer_kernels import quant
+
+SHAPES = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536),
+          "lm_head 49152x576": (49152, 576)}
+
+
+def _ms(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 32, 128])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--fmt", default="Q4_1")
+    ap.add_argument("--lm-head-fmt", default="Q8_0", help="the tied LM head's format (Q8_0 in SmolLM2's Q4_1 GGUF)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    args = ap.parse_args()
+    byname = {v[0]: k for k, v in quant.FORMATS.items()}
+    level = quant.cpu_level()
+    print(f"threads={torch.get_num_threads()} level={level} fmt={args.fmt} lm_head={args.lm_head_fmt}")
+    print("ms, median; '2' = capped to the AVX2 code (quant.set_level_cap(1)); i8 = int8 row kernel")
+    print(f"{'shape':>18} {'M':>4} {'row':>7} {'row2':>7} {'outer':>7} {'outer2':>7} {'i8':>7} {'i82':>7} "
+          f"{'fp32':>7} {'row/outer':>9} {'row2/row':>8} {'o2/outer':>8} {'i82/i8':>7} {'fp32/outer':>10}")
+    gen = torch.Generator().manual_seed(0)
+    for label in args.shapes:
+        n, k = SHAPES[label]
+        w = torch.randn(n, k, generator=gen) * 0.05
+        lin = CpuLinear([w])
+        qw = quant.pack(w, byname[args.lm_head_fmt if label.startswith("lm_head") else args.fmt])
+        for m in args.rows:
+            x = torch.randn(m, k, generator=gen)
+
+            def capped(fn):
+                def run():
+                    quant.set_level_cap(1)
+                    try:
+                        fn()
+                    finally:
+                        quant.set_level_cap(None)
+                return run
+
+            row = lambda: quant.qlinear(x, qw, mode="exact", panel=False)  # noqa: E731
+            i8 = lambda: quant.qlinear(x, qw, mode="int8")  # noqa: E731
+            outer = lambda: quant.qlinear_outer(x, qw)  # noqa: E731
+            arms = {"row": row, "row2": capped(row), "outer": outer, "outer2": capped(outer),
+                    "i8": i8, "i82": capped(i8), "fp32": lambda: lin(x, w)}
+            t = {a: [] for a in arms}
+            for fn in arms.values():
+                fn()
+            for i in range(args.reps):
+                order = list(arms) if i % 2 == 0 else list(reversed(arms))
+                for a in order:
+                    t[a].append(_ms(arms[a]))
+            md = {a: statistics.median(v) for a, v in t.items()}
+            print(f"{label:>18} {m:>4} " + " ".join(f"{md[a]:>7.3f}" for a in arms) +
+                  f" {md['row'] / md['outer']:>9.2f} {md['row2'] / md['row']:>8.2f} {md['outer2'] / md['outer']:>8.2f}"
+                  f" {md['i82'] / md['i8']:>7.2f} {md['fp32'] / md['outer']:>10.2f}", flush=True)
+
+if __name__ == "__main__":
+    main()
