@@ -27,6 +27,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from deepinfer.engine.placeholder import is_placeholder
+
 CHUNKS = 8
 GEMV_MAX_M = 4  # up to here (default mode): the chunked GEMV beats the packed GEMM
 PACK_HINT_M = 32  # the batch size oneDNN tunes the packed layout for (any M runs on it)
@@ -121,11 +123,24 @@ class CpuLinear:
                     torch.ops.mkldnn._reorder_linear_weight(h.contiguous(), PACK_HINT_M) for h in (g, u)
                 )
 
+    @classmethod
+    def from_native_panels(cls, packed: dict, packed_gated: dict, invariant: bool = False) -> CpuLinear:
+        """The native backend over weights packed elsewhere (native.PackedWeight, any panel dtype), keyed
+        by the storage address of the weight the model passes in: weights16.py packs a 16-bit
+        checkpoint's tensors and hands the model placeholders with those addresses."""
+        from deepinfer_kernels import native
+
+        self = cls.__new__(cls)
+        self.backend, self.invariant, self._native = "native", invariant, native
+        self.packed, self.packed_gated = dict(packed), dict(packed_gated)
+        return self
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         pw = self.packed.get(w.data_ptr())
         if pw is None or x.dim() != 2:
-            if self.invariant:
-                raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
+            if self.invariant or is_placeholder(w):  # (a placeholder's values are NaN: never compute on one)
+                mode = "batch-invariant" if self.invariant else "16-bit"
+                raise RuntimeError(f"{mode} linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
         if self.backend == "native":
             return self._native.linear(x, pw, b)

@@ -159,11 +159,12 @@ class ModelRunner:
         invariant = self.config.batch_invariant
         on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         if self.kept_16bit is not None:
-            from deepinfer.engine.weights16 import NAMES, install_16bit
+            from deepinfer.engine.weights16 import install_16bit
 
+            dtype = next(iter(self.kept_16bit.values())).dtype
             lin = install_16bit(self.model, self.kept_16bit, invariant=invariant)
             self.kept_16bit = None  # the panels are the only copy now
-            self.precision = f"{NAMES[lin.dtype]}-weights"
+            self.precision = f"{str(dtype).removeprefix('torch.')}-weights"  # bfloat16- / float16-weights
             return lin
         if on_cpu_fp32 and quantized and quant_mode:
             from deepinfer.engine.quant_linear import install_quantized

@@ -6,8 +6,9 @@ projection and embedding tensor is stored in one 16-bit type, on a CPU where the
 is the runner's linear) and, if so, takes those tensors out of the weights the model loads, handing
 it placeholders (placeholder.py) instead: no fp32 copy of them is ever made, and anything that read
 one as a weight would get NaN, never a stale number. `install_16bit` then packs each projection once
-into 16-bit panels for the native GEMM (csrc/gemm_bf16.c, gemm_f16.c) and returns `Linear16`, which
-finds them by the placeholder's storage address, as `CpuLinear` does for its packed copies.
+into 16-bit panels for the native GEMM (csrc/gemm_bf16.c, gemm_f16.c) and returns a `CpuLinear`
+(native backend) over them, which finds them by the placeholder's storage address as it does for
+the fp32 panels it packs itself.
 
 The 16-bit kernels widen each weight exactly in registers and keep the fp32 kernel's multiply-add
 order, so logits are bit for bit those of Engine(dtype="float32") on the same checkpoint, and the
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.engine.cpu_linear import CpuLinear, native_gemm_preferred
 from deepinfer.engine.placeholder import is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
 
 DTYPES = (torch.bfloat16, torch.float16)
-NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepack: bool = True
@@ -32,8 +33,6 @@ def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepa
     """(weights with placeholders for the tensors kept in 16 bits, {HF name: 16-bit tensor}), or None
     when this checkpoint / machine does not qualify (the caller loads `weights` as they are, converted
     to the runner's dtype). `model` is built but not yet loaded."""
-    from deepinfer.engine.cpu_linear import native_gemm_preferred
-
     if not cpu_prepack or model_config.moe is not None or model_config.mla is not None:
         return None
     if not hasattr(model, "projection_sources") or not native_gemm_preferred():
@@ -47,51 +46,15 @@ def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepa
     return rest, kept
 
 
-class Linear16:
-    """Callable ``(x, w, b) -> x @ w.T + b`` for the placeholder weights made by `install_16bit`
-    (others: F.linear, refused in the batch-invariant mode), plus ``silu_mul(x, [gate; up])``."""
-
-    def __init__(self, packed: dict, packed_gated: dict, dtype: torch.dtype, invariant: bool = False):
-        from deepinfer_kernels import native
-
-        self._native = native
-        self.packed = packed  # placeholder storage address -> native.PackedWeight (16-bit panels)
-        self.packed_gated = packed_gated
-        self.dtype = dtype
-        self.invariant = invariant
-
-    def _flat(self, x: torch.Tensor) -> torch.Tensor:
-        return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        pw = self.packed.get(w.data_ptr())
-        if pw is None:
-            if self.invariant or is_placeholder(w):
-                raise RuntimeError(f"16-bit linear called with a weight it does not hold {tuple(w.shape)}")
-            import torch.nn.functional as F
-
-            return F.linear(x, w, b)
-        y = self._native.linear(self._flat(x), pw, b)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], pw.n)
-
-    def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """silu(x @ gate.T) * (x @ up.T) for a stacked [gate; up] weight, fused in the GEMM's registers."""
-        pw = self.packed_gated.get(w.data_ptr())
-        if pw is None:
-            raise RuntimeError(f"16-bit silu_mul called with a weight it does not hold {tuple(w.shape)}")
-        y = self._native.gated_linear(self._flat(x), pw)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], pw.n)
-
-
-def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False) -> Linear16:
+def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False) -> CpuLinear:
     """Pack every projection of the model (loaded with `split_16bit`'s placeholders) from `kept` into
-    16-bit panels; the embedding lookups read the tied LM head's panels, or the untied 16-bit matrix."""
+    16-bit panels and return the native linear over them (keyed by the placeholders' addresses); the
+    embedding lookups read the tied LM head's panels, or the untied 16-bit matrix."""
     from deepinfer_kernels import native
 
     linear = {w.data_ptr() for w in model.linear_weights()}
     gated = {w.data_ptr() for w in model.gated_weights()}
     packed, packed_gated = {}, {}
-    dtype = next(iter(kept.values())).dtype
     embed_rows = None
     for param, names in model.projection_sources():
         ph = param.data
@@ -117,5 +80,5 @@ def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False)
     if left:
         raise ModelLoadError(f"no 16-bit panels for projections of shapes {left[:3]}")
     model.set_embedding_impl(embed_rows)
-    return Linear16(packed, packed_gated, dtype, invariant)
+    return CpuLinear.from_native_panels(packed, packed_gated, invariant)
 
