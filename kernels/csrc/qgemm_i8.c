@@ -241,21 +241,23 @@ AVX2 static inline __attribute__((always_inline)) void chunk_avx2(const int fmt,
 /* the format and VNNI as compile-time constants in each copy of the loop */
 AVX2 static void chunk_fmt(const int fmt, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
                            const int8_t *qx, const float *xs, const float *xsum, int64_t M, int64_t K, float *y,
-                           int64_t ldy) {
-    if (fmt == FMT_Q4_0) chunk_avx2(FMT_Q4_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 0);
-    else if (fmt == FMT_Q4_1) chunk_avx2(FMT_Q4_1, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 0);
-    else chunk_avx2(FMT_Q8_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 0);
-}
-
+                           int64_t ldy, int vnni) {
+#define CHUNK_FORMATS(V)                                                                                    \
+    do {                                                                                                    \
+        if (fmt == FMT_Q4_0) chunk_avx2(FMT_Q4_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, V);        \
+        else if (fmt == FMT_Q4_1) chunk_avx2(FMT_Q4_1, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, V);   \
+        else chunk_avx2(FMT_Q8_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, V);                        \
+    } while (0)
 #ifdef DI_HAVE_VNNI
-AVX2 static void chunk_fmt_vnni(const int fmt, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t nb,
-                                const int8_t *qx, const float *xs, const float *xsum, int64_t M, int64_t K, float *y,
-                                int64_t ldy) {
-    if (fmt == FMT_Q4_0) chunk_avx2(FMT_Q4_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 1);
-    else if (fmt == FMT_Q4_1) chunk_avx2(FMT_Q4_1, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 1);
-    else chunk_avx2(FMT_Q8_0, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, 1);
-}
+    if (vnni) {
+        CHUNK_FORMATS(1);
+        return;
+    }
 #endif
+    (void)vnni;
+    CHUNK_FORMATS(0);
+#undef CHUNK_FORMATS
+}
 
 /* y[r, n] for r < M, n0 <= n < n1 (y rows ldy apart) in the int8 mode; qx [M, K] / xs, xsum [M, K / 32]
  * from di_q8_quantize_rows. level: di_q_cpu_level() (capped), 0 for the scalar code; VNNI from 2 where
@@ -263,14 +265,8 @@ AVX2 static void chunk_fmt_vnni(const int fmt, const uint8_t *w, int64_t rb, int
 void di_qi8_chunk(int fmt, int level, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const int8_t *qx,
                   const float *xs, const float *xsum, int64_t M, int64_t K, float *y, int64_t ldy) {
     const int64_t nb = K / QK;
-#ifdef DI_HAVE_VNNI
-    if (level >= 2) {
-        chunk_fmt_vnni(fmt, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy);
-        return;
-    }
-#endif
-    if (level >= 1) {
-        chunk_fmt(fmt, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy);
+    if (level >= 1) { /* VNNI from level 2 where the build has it */
+        chunk_fmt(fmt, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, level >= 2);
         return;
     }
     for (int64_t r = 0; r < M; ++r)
