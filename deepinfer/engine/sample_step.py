@@ -57,9 +57,10 @@ class StepSampler:
                 record_prompt_logprobs(e.seq, e.start, e.num_tokens, logits[r0 : r0 + n])
         active = [i for i, e in enumerate(step.entries)
                   if e.slot >= 0 and step.id not in e.seq.discarded and not e.seq.is_finished]
-        pending = [step.entries[i].seq for i in active if step.entries[i].seq.grammar_pending is not None]
-        if pending:  # admitted while their constraint compiled: its mask is needed from here on
-            self.structured.bind_pending(pending)
+        if self.structured.adopted:  # some were admitted while their constraint compiled: bind those now
+            pending = [step.entries[i].seq for i in active if step.entries[i].seq.grammar_pending is not None]
+            if pending:
+                self.structured.bind_pending(pending)
         tokens = torch.zeros(step.num_slots, dtype=torch.long, device=logits.device)
         accepted: list[list[int]] = [[] for _ in step.entries]
         lps: list[list[TokenLogprob | None]] = [[] for _ in step.entries]

@@ -34,6 +34,9 @@ class StructuredOutputs:
         self._uploader = None  # pinned host -> device copy of each step's mask (non-CPU logits)
         self._compiler_lock = threading.Lock()
         self._precompiling: dict = {}  # spec -> Future of its precompile, while it runs
+        # sequences given a running precompile by attach(adopt_precompile=True) and not yet bound:
+        # while 0 (nearly always), a step's sampling skips looking for them (StepSampler.sample)
+        self.adopted = 0
 
     @property
     def token_bytes(self) -> list[bytes | None]:
@@ -96,6 +99,7 @@ class StructuredOutputs:
                 running = self._precompiling.get(spec)
             if running is not None and not running.done():
                 seq.grammar_pending = running
+                self.adopted += 1
                 return
         if wait is None or self._compiler.is_cached(spec):
             self._bind(seq, *self._compiler.compile(spec))
@@ -124,6 +128,7 @@ class StructuredOutputs:
             if seq.grammar_pending is None:
                 continue
             waited = waited or not seq.grammar_pending.done()
+            self.adopted = max(0, self.adopted - 1)  # (one aborted before its sample keeps the count up: scans go on)
             try:
                 self.finish_attach(seq)
             except Exception as e:  # GrammarError (or a timeout past compile_timeout): this request's error
