@@ -1,6 +1,6 @@
 /* AVX2 pieces the quantised-weight kernels share (qgemm.c, qgemm_k.c, qgemm_panel.c, qgemm_outer.c,
- * qgemm_bf16.c): one copy, so
- * every kernel sums in the same order (the panel kernel is bit-identical to the row kernels). */
+ * qgemm_bf16.c): one copy, so every kernel sums in the same order (the panel kernel is bit-identical to
+ * the row kernels). */
 #ifndef DEEPINFER_QGEMM_AVX2_H
 #define DEEPINFER_QGEMM_AVX2_H
 #include <immintrin.h>
