@@ -2,9 +2,12 @@
 deepinfer/engine/quant_linear.py), and the outer kernel's AVX-512 tile against its AVX2 tile: per
 SmolLM2-135M shape and row count, the row kernel (exact, what QuantLinear runs below OUTER_M), the
 outer kernel, and the int8 row kernel, each at the CPU's level and capped to its AVX2 code
-(quant.set_level_cap(1)), and the fp32 engine's own GEMM (CpuLinear) on the same weights. Arms alternate within each repetition; median ms.
+(quant.set_level_cap(1)), the bf16 mode's kernel (quant.qlinear_bf16: bf16 products, AVX512_BF16; where
+to switch to it is BF16_M in quant_linear.py), and the fp32 engine's own GEMM (CpuLinear) on the same
+weights. Arms alternate within each repetition; median ms.
 
     python benchmarks/quant_outer_m.py [--rows 1 2 4 8 12 16 32 128] [--reps 15] [--fmt Q4_1] [--lm-head-fmt Q8_0]
+        [--arms row outer bf16 fp32]
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import torch
 from deepinfer.engine.cpu_linear import CpuLinear
 from deepinfer_kernels import quant
 
+ARMS = ("row", "row2", "outer", "outer2", "i8", "i82", "bf16", "fp32")
+# (a, b) printed as time(a) / time(b) where both arms run
+RATIOS = (("row", "outer"), ("row2", "row"), ("outer2", "outer"), ("i82", "i8"), ("fp32", "outer"),
+          ("row", "bf16"), ("outer", "bf16"), ("fp32", "bf16"))
 SHAPES = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536),
           "lm_head 49152x576": (49152, 576)}
 
@@ -35,13 +42,16 @@ def main() -> None:
     ap.add_argument("--fmt", default="Q4_1")
     ap.add_argument("--lm-head-fmt", default="Q8_0", help="the tied LM head's format (Q8_0 in SmolLM2's Q4_1 GGUF)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="which kernels to time")
     args = ap.parse_args()
     byname = {v[0]: k for k, v in quant.FORMATS.items()}
     level = quant.cpu_level()
     print(f"threads={torch.get_num_threads()} level={level} fmt={args.fmt} lm_head={args.lm_head_fmt}")
-    print("ms, median; '2' = capped to the AVX2 code (quant.set_level_cap(1)); i8 = int8 row kernel")
-    print(f"{'shape':>18} {'M':>4} {'row':>7} {'row2':>7} {'outer':>7} {'outer2':>7} {'i8':>7} {'i82':>7} "
-          f"{'fp32':>7} {'row/outer':>9} {'row2/row':>8} {'o2/outer':>8} {'i82/i8':>7} {'fp32/outer':>10}")
+    print("ms, median; '2' = capped to the AVX2 code (quant.set_level_cap(1)); i8 = int8 row kernel; "
+          "bf16 = quant.qlinear_bf16; a/b: time of a over time of b")
+    pairs = [(a, b) for a, b in RATIOS if a in args.arms and b in args.arms]
+    print(f"{'shape':>18} {'M':>4} " + " ".join(f"{a:>7}" for a in args.arms) + " " +
+          " ".join(f"{a + '/' + b:>11}" for a, b in pairs))
     gen = torch.Generator().manual_seed(0)
     for label in args.shapes:
         n, k = SHAPES[label]
@@ -63,8 +73,10 @@ def main() -> None:
             row = lambda: quant.qlinear(x, qw, mode="exact", panel=False)  # noqa: E731
             i8 = lambda: quant.qlinear(x, qw, mode="int8")  # noqa: E731
             outer = lambda: quant.qlinear_outer(x, qw)  # noqa: E731
-            arms = {"row": row, "row2": capped(row), "outer": outer, "outer2": capped(outer),
-                    "i8": i8, "i82": capped(i8), "fp32": lambda: lin(x, w)}
+            bf16 = lambda: quant.qlinear_bf16(x, qw)  # noqa: E731
+            every = {"row": row, "row2": capped(row), "outer": outer, "outer2": capped(outer),
+                     "i8": i8, "i82": capped(i8), "bf16": bf16, "fp32": lambda: lin(x, w)}
+            arms = {a: every[a] for a in args.arms}
             t = {a: [] for a in arms}
             for fn in arms.values():
                 fn()
@@ -73,9 +85,9 @@ def main() -> None:
                 for a in order:
                     t[a].append(_ms(arms[a]))
             md = {a: statistics.median(v) for a, v in t.items()}
-            print(f"{label:>18} {m:>4} " + " ".join(f"{md[a]:>7.3f}" for a in arms) +
-                  f" {md['row'] / md['outer']:>9.2f} {md['row2'] / md['row']:>8.2f} {md['outer2'] / md['outer']:>8.2f}"
-                  f" {md['i82'] / md['i8']:>7.2f} {md['fp32'] / md['outer']:>10.2f}", flush=True)
+            print(f"{label:>18} {m:>4} " + " ".join(f"{md[a]:>7.3f}" for a in arms) + " " +
+                  " ".join(f"{md[a] / md[b]:>11.2f}" for a, b in pairs), flush=True)
+
 
 if __name__ == "__main__":
     main()

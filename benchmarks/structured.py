@@ -10,11 +10,13 @@
 - a structured extraction job (64 product reviews -> one JSON object each, one schema, greedy, at most
   96 tokens) against vLLM CPU bf16 with the same schema as its structured output, where the peer's
   environment exists (`--peers DIR`, see vllm_peer.py): records/s and outputs that validate against the
-  schema, ours with jump-forward on and off, every arm in turn (order reversed every other repeat),
-  best of --repeats, paired median of each ratio; and where our time goes (engine stats).
+  schema, ours in each of --dtypes (Engine(dtype=...)) with jump-forward on and (unless --no-jf-off)
+  off, every arm in turn (order reversed every other repeat), best of --repeats, paired median of each
+  ratio; and where our time goes (engine stats).
 
     python benchmarks/structured.py [--batch 32] [--coverage-sample 30] [--peers DIR]
         [--sections constrained extraction coverage] [--records 64] [--repeats 3]
+        [--dtypes auto bfloat16] [--no-jf-off]
 """
 
 from __future__ import annotations
@@ -152,9 +154,9 @@ def time_split(wall: float, d: dict) -> str:
 
 
 def extraction(args) -> None:
-    """The extraction job: ours (jump-forward on / off) vs vLLM CPU bf16, side by side."""
-    arms_ours = {"ours jf on": Engine(kv_cache_memory=1 << 30, jump_forward=True),
-                 "ours jf off": Engine(kv_cache_memory=1 << 30, jump_forward=False)}
+    """The extraction job: ours (per dtype, jump-forward on / off) vs vLLM CPU bf16, side by side."""
+    arms_ours = {f"ours {d} jf {'on' if jf else 'off'}": Engine(kv_cache_memory=1 << 30, dtype=d, jump_forward=jf)
+                 for d in args.dtypes for jf in ((True,) if args.no_jf_off else (True, False))}
     first = next(iter(arms_ours.values()))
     prompts = extraction_prompts(first, args.records)
     sp = SamplingParams(temperature=0, max_tokens=args.extract_max_tokens, json_schema=REVIEW)
@@ -195,9 +197,13 @@ def extraction(args) -> None:
         for v in vllm.values():
             v.close()
     best = {name: args.records / min(t for t, _ in r) for name, r in runs.items()}
-    print(f"{'arm':>12} {'records/s':>10} {'valid (worst run)':>18}")
+    print(f"{'arm':>24} {'records/s':>10} {'valid (worst run)':>18}")
     for name, r in runs.items():
-        print(f"{name:>12} {best[name]:>10.2f} {min(v for _, v in r):>15}/{args.records}")
+        print(f"{name:>24} {best[name]:>10.2f} {min(v for _, v in r):>15}/{args.records}")
+    names = list(arms_ours)
+    for name in names[1:]:  # against our first arm, paired by repeat
+        paired = [runs[names[0]][i][0] / runs[name][i][0] for i in range(args.repeats)]
+        print(f"{name} / {names[0]}: {best[name] / best[names[0]]:.2f}x (paired median {statistics.median(paired):.2f}x)")
     if "vLLM bf16" in runs:
         for name in arms_ours:
             paired = [runs["vLLM bf16"][i][0] / runs[name][i][0] for i in range(args.repeats)]
@@ -262,6 +268,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="extraction: runs per arm")
     ap.add_argument("--peers", default=os.environ.get("DEEPINFER_PEERS"),
                     help="directory built by ../shared/peers/setup.sh (vLLM from DIR/vllm)")
+    ap.add_argument("--dtypes", nargs="+", default=["auto"],
+                    help="extraction: our engine's Engine(dtype=...) arms, e.g. auto bfloat16")
+    ap.add_argument("--no-jf-off", action="store_true", help="extraction: only jump-forward on")
     args = ap.parse_args()
     engine = None
     if "constrained" in args.sections:

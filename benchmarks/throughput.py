@@ -12,7 +12,7 @@ the same conditions. Against vLLM also the paired median (over repeats) of ours-
 vLLM's start-up and one warm-up call are outside the timing (its workers stay loaded for the run).
 
     python benchmarks/throughput.py [--batches 1 8 32 128] [--new-tokens 64] [--repeats 2] [--no-hf]
-        [--precisions float32 auto quantized_exact] [--peers DIR] [--vllm-dtypes bfloat16 float32]
+        [--precisions float32 auto quantized bfloat16] [--peers DIR] [--vllm-dtypes bfloat16 float32]
         [--no-llamacpp] [--llamacpp-threads N]
 
 llama.cpp gets an explicit thread count (default: every core, like our engine's OpenMP/torch threads),
@@ -174,7 +174,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     # engine precisions run side by side (one engine each, alternating): the first is the baseline
     ap.add_argument("--precisions", nargs="+", default=["float32", "auto"],
-                    help="Engine(dtype=...) values: float32, auto, quantized, quantized_exact")
+                    help="Engine(dtype=...) values: float32, auto, quantized, quantized_exact, bfloat16 (on the GGUF: "
+                         "bf16 products from 16 rows)")
     ap.add_argument("--peers", default=os.environ.get("DEEPINFER_PEERS"),
                     help="directory built by ../shared/peers/setup.sh (llama.cpp from DIR/llamacpp, vLLM from DIR/vllm)")
     ap.add_argument("--vllm-dtypes", nargs="*", default=["bfloat16", "float32"],

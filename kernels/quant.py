@@ -60,6 +60,8 @@ def _configure(lib) -> None:
     lib.di_qgemm_int8_bound.restype = i32
     lib.di_qgemm_outer.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
     lib.di_qgemm_outer.restype = i32
+    lib.di_qgemm_outer_bf16.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
+    lib.di_qgemm_outer_bf16.restype = i32
 
 
 def _lib():
@@ -71,14 +73,15 @@ def available() -> bool:
 
 
 def cpu_level() -> int:
-    """The instruction-set level the kernels use on this CPU: 2 AVX-512 (F/BW/DQ/VL) as well as AVX2,
-    1 AVX2 + FMA + F16C, 0 only the scalar code; at most the cap `set_level_cap` set."""
+    """The instruction-set level the kernels use on this CPU: 3 AVX512_BF16 as well as level 2 (the bf16
+    kernel, `qlinear_bf16`), 2 AVX-512 (F/BW/DQ/VL) as well as AVX2, 1 AVX2 + FMA + F16C, 0 only the
+    scalar code; at most the cap `set_level_cap` set."""
     return int(_lib().di_q_cpu_level())
 
 
 def set_level_cap(level: int | None) -> None:
     """Cap the level every quantised kernel uses (None: all the CPU has, the default); e.g. 1 runs the
-    AVX2 code on an AVX-512 host, for tests (the two must give the same bits) and side-by-side
+    AVX2 code on an AVX-512 host, 2 makes `qlinear_bf16` fall back to `qlinear_outer`, for tests (the two must give the same bits) and side-by-side
     measurements. Process-wide."""
     if level is not None and (not isinstance(level, int) or level < 0):
         raise KernelInputError(f"set_level_cap: level must be None or an int >= 0, got {level!r}")
@@ -310,3 +313,19 @@ def qlinear_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = N
                     out.data_ptr(), out.stride(0)):
         return qlinear(x, w, bias, mode="exact")
     return _add_bias("qlinear_outer", out, bias)
+
+
+# ---- many rows in bf16 products (csrc/qgemm_bf16.c) ----------------------------------------------------
+def qlinear_bf16(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias) with x and the dequantised weights rounded to bf16 (nearest even) and
+    multiplied by AVX512_BF16's vdpbf16ps, accumulated in fp32 (csrc/qgemm_bf16.c): one fixed order per
+    output whatever M, so a row does not depend on the batch. Where the CPU lacks AVX512_BF16
+    (`cpu_level()` below 3) it runs `qlinear_outer` (exact fp32 products) instead."""
+    lib = _lib()
+    x = _check_x("qlinear_bf16", x, w.k)
+    m = x.shape[0]
+    out = torch.empty(m, w.n, dtype=torch.float32)
+    if m and lib.di_qgemm_outer_bf16(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n,
+                                     w.k, out.data_ptr(), out.stride(0)):
+        return qlinear_outer(x, w, bias)
+    return _add_bias("qlinear_bf16", out, bias)

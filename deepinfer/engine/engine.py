@@ -66,6 +66,8 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     native kernels) ran 0.62-0.83x float32 there, so auto never picks it on CPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bfloat16" and device.type == "cpu" and _native_kernels():
+        return torch.float32  # fp32 activations between ops; the projections' products in bf16 (_quant_mode)
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in QUANT_DTYPES:
         if device.type != "cpu":
@@ -96,14 +98,23 @@ def _quant_mode(name: str, device: torch.device) -> str | None:
     then at 52 tok/s at batch 8), prompt logprobs equal to fp32's there (gemm.c has the outer kernel's
     order). The int8 mode ("quantized": 1.4x quantized_exact at batch 1 on the AVX2 host, 1.37x on the
     AVX-512 one, 6/8 greedy answers equal) stays an explicit choice. Without the native kernels (no C
-    compiler) auto stays fp32."""
-    if name == "auto":
-        if device.type != "cpu":
-            return None
-        from deepinfer_kernels import quant
+    compiler) auto stays fp32.
 
-        return "exact" if quant.available() else None
+    "bfloat16" on CPU keeps the blocks too, in the mode "bf16" (quant_linear.py: the exact row kernels
+    for few rows, bf16 products with fp32 accumulation from BF16_M rows where the CPU has
+    AVX512_BF16); a checkpoint without block tensors is left to the dense path."""
+    if name in ("auto", "bfloat16"):
+        if device.type != "cpu" or not _native_kernels():
+            return None
+        return "exact" if name == "auto" else "bf16"
     return QUANT_DTYPES.get(name)
+
+
+def _native_kernels() -> bool:
+    """Whether the native CPU kernels built (deepinfer_kernels: a C compiler was found)."""
+    from deepinfer_kernels import quant
+
+    return quant.available()
 
 
 def _checkpoint_bytes(source: str) -> int:
@@ -168,7 +179,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv)
         self.stats = EngineStats()
         self.stats.weight_bytes, self.stats.checkpoint_bytes = self.runner.weight_bytes(), _checkpoint_bytes(self.model_source)
-        # "float32", "quantized-int8", "quantized-exact", "bfloat16-weights" or "float16-weights"
+        # "float32", "quantized-int8", "quantized-exact", "quantized-bf16", "bfloat16-weights" or "float16-weights"
         self.precision = self.runner.precision
         # token ids that end generation: the tokenizer's EOS set plus the model config's
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))

@@ -48,4 +48,4 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
         layers.append(StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                                  blocks[0], bias, blocks[1], blocks[2], blocks[3], kc, vc))
     return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps, model.layers[0].self_attn.n_heads,
-                       block_size, linear.mode)
+                       block_size, linear.row_mode)

@@ -1,5 +1,6 @@
 """The projection op on GGUF block-quantised weights kept as stored (Engine(dtype="quantized_exact") for
-a GGUF checkpoint; "quantized" for int8; deepinfer_kernels.quant holds the kernels).
+a GGUF checkpoint; "quantized" for int8; "bfloat16" for bf16 products at many rows;
+deepinfer_kernels.quant holds the kernels).
 
 `install_quantized(model, quantized, ...)` swaps every projection of the model whose checkpoint
 tensors are all in a supported block format (fused q|k|v and gate|up are the row concatenation
@@ -17,6 +18,12 @@ tile, the same bits): one fixed order per output, not the row kernel's. The batc
 panel kernel there (csrc/qgemm_panel.c: bit-identical to the row kernel, so a row's bits never
 depend on M; its int8 rows stay int8). Without AVX2 many rows dequantise the matrix for the call
 and run oneDNN, as before.
+
+The mode "bf16" is the exact mode but for calls of BF16_M rows or more (not batch-invariant mode): there
+x and the dequantised weights are rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps with fp32
+accumulation (csrc/qgemm_bf16.c, `quant.qlinear_bf16`: one fixed order per output, so a row still
+does not depend on the batch); the exact outer kernel where the CPU lacks AVX512_BF16. The batch-
+invariant mode runs the exact mode's kernels in it (the row / panel kernels' bits at every M).
 """
 
 from __future__ import annotations
@@ -44,6 +51,17 @@ OUTER_M = 16
 # Without AVX2: rows from which the matrix is dequantised for the call and run on oneDNN (the row
 # kernel took 26.7 ms vs 14.4 for that on Q4_1 3072 x 576 at M = 128, 1 thread).
 DEQUANT_M = 64
+# the modes a QuantLinear runs: the row kernels' (quant.MODES), and "bf16" (exact row kernels below
+# BF16_M rows, the bf16 kernel from there)
+MODES = (*quant.MODES, "bf16")
+# rows from which the bf16 mode runs quant.qlinear_bf16. On the 2-core AVX-512 Zen 5 host
+# (benchmarks/quant_outer_m.py, 2 threads, SmolLM2's Q4_1 shapes and the Q8_0 LM head, medians of 9,
+# arms alternating), row-kernel time / bf16-kernel time, qkv / gate_up / down / lm_head: at 8 rows 0.81 /
+# 0.84 / 0.82 / 0.70, at 12 rows 1.17 / 1.27 / 1.22 / 0.95, at 16 rows 1.58 / 1.66 / 1.57 / 1.17 (and
+# 1.12-1.22x the exact outer kernel there). Decode is bandwidth-bound below that; 16 is also where
+# the native decode stack (exact row kernels, fewer than PANEL_M rows) stops, so a decode step's bits do
+# not depend on which path ran it. BF16_M must stay >= quant.PANEL_M for that.
+BF16_M = 16
 
 
 class QuantLinear:
@@ -51,14 +69,16 @@ class QuantLinear:
     (others: F.linear, refused in the batch-invariant mode)."""
 
     def __init__(self, table: dict[int, quant.QuantWeight], mode: str = "int8", invariant: bool = False):
-        if mode not in quant.MODES:
-            raise ValueError(f"QuantLinear mode must be one of {quant.MODES}, got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"QuantLinear mode must be one of {MODES}, got {mode!r}")
         self.table = table
         self.mode = mode
+        # the row and panel kernels' mode (also the native decode stack's): bf16 keeps them exact
+        self.row_mode = "exact" if mode == "bf16" else mode
         self.invariant = invariant
         self.avx2 = quant.cpu_level() >= 1  # the panel and outer-product kernels need AVX2 (or AVX-512)
         # the decode calls (below PANEL_M rows), arguments bound once per weight (same kernel, same bits)
-        self.rows = {p: quant.RowKernel(q, mode) for p, q in table.items()}
+        self.rows = {p: quant.RowKernel(q, self.row_mode) for p, q in table.items()}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         key = w.data_ptr()
@@ -72,11 +92,13 @@ class QuantLinear:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
         if not self.invariant:
+            if self.mode == "bf16" and x.shape[0] >= BF16_M:
+                return quant.qlinear_bf16(x, qw, b)
             if self.avx2 and x.shape[0] >= OUTER_M:
                 return quant.qlinear_outer(x, qw, b)
             if not self.avx2 and x.shape[0] >= DEQUANT_M:
                 return F.linear(x, quant.dequantize(qw), b)
-        return quant.qlinear(x, qw, b, mode=self.mode)
+        return quant.qlinear(x, qw, b, mode=self.row_mode)
 
     def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T) for a stacked [gate; up] weight: one projection, then the

@@ -1,5 +1,6 @@
 /* Shared declarations of the quantised-weight kernels (qgemm.c: 32-element formats and the driver;
- * qgemm_k.c: GGUF k-quants; qgemm_i8.c: the int8 mode; qgemm_panel.c / qgemm_outer.c: many rows), and
+ * qgemm_k.c: GGUF k-quants; qgemm_i8.c: the int8 mode; qgemm_panel.c / qgemm_outer.c / qgemm_bf16.c: many
+ * rows), and
  * the entry points other kernels call (decode_stack.c). */
 #ifndef DEEPINFER_QGEMM_H
 #define DEEPINFER_QGEMM_H
@@ -19,7 +20,7 @@ int di_qgemm_int8_bound(const int64_t *wargs, const float *x, int64_t M, float *
 
 int di_q_block_bytes(int fmt);
 int di_q_block_elems(int fmt);
-int di_q_cpu_level(void); /* 0 scalar, 1 AVX2 + FMA + F16C, 2 also AVX-512 F/BW/DQ/VL */
+int di_q_cpu_level(void); /* 0 scalar, 1 AVX2 + FMA + F16C, 2 also AVX-512 F/BW/DQ/VL, 3 also AVX512_BF16 */
 void di_q_set_level_cap(int cap);
 float di_q_half(uint16_t h);
 

@@ -1,5 +1,6 @@
-/* AVX2 pieces the quantised-weight kernels share (qgemm.c, qgemm_k.c, qgemm_panel.c): one copy, so
- * every kernel sums in the same order (the panel kernel is bit-identical to the row kernels). */
+/* AVX2 pieces the quantised-weight kernels share (qgemm.c, qgemm_k.c, qgemm_panel.c, qgemm_outer.c,
+ * qgemm_bf16.c): one copy, so every kernel sums in the same order (the panel kernel is bit-identical to
+ * the row kernels). */
 #ifndef DEEPINFER_QGEMM_AVX2_H
 #define DEEPINFER_QGEMM_AVX2_H
 #include <immintrin.h>
@@ -51,5 +52,30 @@ AVX2 static inline __attribute__((always_inline)) void fma32_rows(const __m256 *
         a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), a0[r]);
         a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), a1[r]);
     }
+}
+
+/* 8 x 8 transpose of 32-bit elements: dst[c * lds + r] = src[r * ldr + c] (moves bits only: the outer
+ * kernels transpose fp32 x (qgemm_outer.c) and bf16 pairs of x (qgemm_bf16.c) with it) */
+AVX2 static inline void transpose8(const float *src, int64_t ldr, float *dst, int64_t lds) {
+    __m256 r0 = _mm256_loadu_ps(src + 0 * ldr), r1 = _mm256_loadu_ps(src + 1 * ldr);
+    __m256 r2 = _mm256_loadu_ps(src + 2 * ldr), r3 = _mm256_loadu_ps(src + 3 * ldr);
+    __m256 r4 = _mm256_loadu_ps(src + 4 * ldr), r5 = _mm256_loadu_ps(src + 5 * ldr);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * ldr), r7 = _mm256_loadu_ps(src + 7 * ldr);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst + 0 * lds, _mm256_permute2f128_ps(s0, s4, 0x20));
+    _mm256_storeu_ps(dst + 1 * lds, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(dst + 2 * lds, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(dst + 3 * lds, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(dst + 4 * lds, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(dst + 5 * lds, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(dst + 6 * lds, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(dst + 7 * lds, _mm256_permute2f128_ps(s3, s7, 0x31));
 }
 #endif

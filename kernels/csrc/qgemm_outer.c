@@ -33,30 +33,6 @@
 #define ON 16  /* outputs (weight rows) per panel: two vectors of 8 */
 #define KC 256 /* k per block: a [KC][16] panel block is 16 KB (L1) */
 
-/* 8 x 8 transpose: dst[c * lds + r] = src[r * ldr + c] */
-AVX2 static inline void transpose8(const float *src, int64_t ldr, float *dst, int64_t lds) {
-    __m256 r0 = _mm256_loadu_ps(src + 0 * ldr), r1 = _mm256_loadu_ps(src + 1 * ldr);
-    __m256 r2 = _mm256_loadu_ps(src + 2 * ldr), r3 = _mm256_loadu_ps(src + 3 * ldr);
-    __m256 r4 = _mm256_loadu_ps(src + 4 * ldr), r5 = _mm256_loadu_ps(src + 5 * ldr);
-    __m256 r6 = _mm256_loadu_ps(src + 6 * ldr), r7 = _mm256_loadu_ps(src + 7 * ldr);
-    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(dst + 0 * lds, _mm256_permute2f128_ps(s0, s4, 0x20));
-    _mm256_storeu_ps(dst + 1 * lds, _mm256_permute2f128_ps(s1, s5, 0x20));
-    _mm256_storeu_ps(dst + 2 * lds, _mm256_permute2f128_ps(s2, s6, 0x20));
-    _mm256_storeu_ps(dst + 3 * lds, _mm256_permute2f128_ps(s3, s7, 0x20));
-    _mm256_storeu_ps(dst + 4 * lds, _mm256_permute2f128_ps(s0, s4, 0x31));
-    _mm256_storeu_ps(dst + 5 * lds, _mm256_permute2f128_ps(s1, s5, 0x31));
-    _mm256_storeu_ps(dst + 6 * lds, _mm256_permute2f128_ps(s2, s6, 0x31));
-    _mm256_storeu_ps(dst + 7 * lds, _mm256_permute2f128_ps(s3, s7, 0x31));
-}
-
 /* panel[k * 16 + j] = W[n0 + j, k] dequantised (0 for j >= nj); rows: scratch [16][K] */
 AVX2 static void pack_panel(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n0, int nj, int64_t K,
                             float *rows, float *panel) {

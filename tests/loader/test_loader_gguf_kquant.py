@@ -154,3 +154,54 @@ def test_engine_on_kquant_blocks_tracks_fp32(kquant_gguf, tmp_path, dtype, tol):
             assert x.token_ids == y.token_ids
     print(f"{dtype} on Q4_K/Q6_K: max prompt logprob diff vs fp32 {worst:.2e}")
     assert 0 < worst < tol
+
+
+# a prompt of 40 tokens: its prefill runs the projections at 40 rows, past quant_linear.BF16_M
+LONG = [(7 * i + 3) % 250 + 3 for i in range(40)]
+
+
+def test_bfloat16_on_kquant_blocks_tracks_quantized_exact(kquant_gguf, tmp_path, monkeypatch):
+    """dtype="bfloat16" on a GGUF: the blocks kept, bf16 products from BF16_M rows (prefill), the exact
+    row kernels below (decode of two sequences). Its prompt logprobs against the same engine with the
+    bf16 kernel replaced by its definition in torch (x and the dequantised weights rounded to bf16, the
+    product in fp64), and against quantized_exact."""
+    from deepinfer import Engine, SamplingParams
+
+    path, _ = kquant_gguf
+    opts = dict(cache_dir=str(tmp_path), kv_cache_memory=8 << 20)
+    ref, eng = Engine(str(path), dtype="quantized_exact", **opts), Engine(str(path), dtype="bfloat16", **opts)
+    assert eng.precision == "quantized-bf16" and eng.dtype == torch.float32
+    assert eng.stats.weight_bytes == ref.stats.weight_bytes
+    prompts = [LONG, LONG[::-1][:24]]
+    sp = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+
+    def prompt_logprobs(e):
+        e.reset_prefix_cache()
+        return torch.tensor([t.logprob for o in e.generate(prompts, sp) for t in o.prompt_logprobs if t is not None])
+
+    exact, bf16 = prompt_logprobs(ref), prompt_logprobs(eng)
+    calls = []
+
+    def defined(acc):
+        def run(x, w, bias=None):
+            calls.append(x.shape[0])
+            y = x.bfloat16().to(acc) @ quant.dequantize_reference(w).bfloat16().to(acc).T
+            return (y if bias is None else y + bias.to(acc)).float()
+        return run
+
+    monkeypatch.setattr(quant, "qlinear_bf16", defined(torch.float64))
+    def64 = prompt_logprobs(eng)
+    assert calls and min(calls) >= 16  # the prefills' projections went through it
+    monkeypatch.setattr(quant, "qlinear_bf16", defined(torch.float32))
+    def32 = prompt_logprobs(eng)
+    d_kernel, d_def32, d_exact = (bf16 - def64).abs(), (def32 - def64).abs(), (bf16 - exact).abs()
+    print(f"bfloat16 on Q4_K/Q6_K, prompt logprob diff median / max: kernel vs definition "
+          f"{d_kernel.median():.1e} / {d_kernel.max():.1e}, the definition summed in fp32 vs fp64 "
+          f"{d_def32.median():.1e} / {d_def32.max():.1e}, kernel vs quantized_exact "
+          f"{d_exact.median():.1e} / {d_exact.max():.1e}")
+    # An fp32 summation order alone moves the logprobs by ~1e-3 here (an activation crossing a bf16
+    # rounding boundary changes what the next layer multiplies): the kernel must be no farther from the
+    # definition than torch's own fp32 evaluation of it (measured 1.2e-3 / 8.1e-3, and 1.1e-3 / 8.1e-3)
+    assert d_kernel.median() < 2 * d_def32.median() + 1e-5 and d_kernel.max() < 2 * d_def32.max() + 1e-5
+    # quantized_exact multiplies the operands unrounded: measured 9.2e-3 / 5.3e-2
+    assert d_exact.median() > 3 * d_kernel.median() and d_exact.max() < 0.15
