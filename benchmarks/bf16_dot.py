@@ -1,4 +1,4 @@
-"""The bf16-dot projection kernel (csrc/gemm_bf16dot.c, Engine(dtype="bfloat16") on CPU) against the
+"""The bf16-dot path (Engine(dtype="bfloat16") on CPU): its projection kernel (csrc/gemm_bf16dot.c) against the
 fp32 panel GEMM (csrc/gemm.c) and its bf16-widening build (gemm_bf16.c: the same bf16 panels widened to
 fp32, dtype="auto" on a bf16 checkpoint), per SmolLM2-135M projection shape and row count.
 
@@ -9,18 +9,30 @@ median; the table gives each arm's median over the repeats, the spread (min-max 
 the bf16-dot arm, and the ratios of medians (bf16-dot / fp32 as a speed-up: t_fp32 / t_dot).
 
     python benchmarks/bf16_dot.py [--rows 1 8 32 128 512] [--repeats 5] [--iters 20] [--fallback]
+    python benchmarks/bf16_dot.py --accuracy DIR [--prompts 8] [--new-tokens 32]
 
 --fallback times the kernel's widening fallback (what runs without AVX512_BF16) instead of vdpbf16ps.
+--accuracy: Engine(DIR, dtype="bfloat16") against dtype="float32" on common.make_prompts: greedy
+agreement (prompts whose new tokens are all equal, and the mean length of the common prefix), and the
+max |logprob difference| of the chosen tokens over prompt + float32's continuation, teacher-forced
+(prompt_logprobs of both engines on the same ids).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 
+from common import make_prompts
+
+from deepinfer import Engine, SamplingParams
 from deepinfer_kernels import native
 
 # (name, N, K, gated): attention o, fused qkv, gate_up (gated: 2 x 1536), down, tied LM head
@@ -51,6 +63,28 @@ def _time(run, x, packed, iters: int) -> float:
     return statistics.median(times)
 
 
+def accuracy(model: str, n_prompts: int, new_tokens: int) -> None:
+    prompts = make_prompts(n_prompts, seed=11)
+    engines = {d: Engine(model, dtype=d, kv_cache_memory=256 << 20) for d in ("float32", "bfloat16")}
+    print(f"{model}: precisions {', '.join(e.precision for e in engines.values())}")
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    out = {d: [o.token_ids for o in e.generate(prompts, sp)] for d, e in engines.items()}
+    prefix = []
+    for a, b in zip(out["float32"], out["bfloat16"]):
+        prefix.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
+    same = sum(p == new_tokens for p in prefix)
+    print(f"greedy agreement: {same}/{n_prompts} prompts x {new_tokens} tokens identical; common prefix "
+          f"mean {statistics.mean(prefix):.1f}, min {min(prefix)} tokens")
+    f32 = engines["float32"]
+    ids = [f32.encode_prompt(p) + t for p, t in zip(prompts, out["float32"])]
+    lp = {d: [o.prompt_logprobs for o in e.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=0))]
+          for d, e in engines.items()}
+    diffs = [abs(a.logprob - b.logprob) for ra, rb in zip(lp["float32"], lp["bfloat16"])
+             for a, b in zip(ra, rb) if a is not None]
+    print(f"teacher-forced logprobs over {len(diffs)} positions: max |diff| {max(diffs):.4f}, "
+          f"median {statistics.median(diffs):.4f}, 99th pct {sorted(diffs)[int(0.99 * len(diffs))]:.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
@@ -58,7 +92,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--shapes", nargs="+", default=None, help="a subset of the shape names' first words")
     ap.add_argument("--fallback", action="store_true", help="time the widening fallback, not vdpbf16ps")
+    ap.add_argument("--accuracy", metavar="DIR", default=None, help="engine accuracy vs float32 on this model")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
+    if args.accuracy:
+        accuracy(args.accuracy, args.prompts, args.new_tokens)
+        return
     native.set_bf16_dot_cap(0 if args.fallback else None)
     print(f"threads {torch.get_num_threads()}, bf16-dot level {native.bf16_dot_level()} "
           f"({'vdpbf16ps' if native.bf16_dot_level() else 'widening fallback'})")
