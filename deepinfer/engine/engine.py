@@ -68,8 +68,11 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     "bfloat16" on CPU, where the native bf16-dot GEMM runs (weights16.bf16_dot_available: native
     kernels, AVX-512F), computes activations, norms, attention and the KV cache in fp32 and every
     projection as bf16 dot products accumulated in fp32 (csrc/gemm_bf16dot.c, weights rounded to bf16
-    at load); elsewhere, and for MoE / MLA models (see Engine.__init__), it is torch's bf16 ops, which
-    ran 0.62-0.83x float32 on that host."""
+    at load): SmolLM2-135M as an fp32 directory on that host (benchmarks/throughput.py --model, 64 new
+    tokens, best of 3) 1.44x / 1.61x / 1.48x / 1.71x float32's tokens/s at batch 1 / 8 / 32 / 128,
+    greedy answers equal on 6/8 prompts x 32 tokens, logprobs within 0.061 (benchmarks/bf16_dot.py
+    --accuracy); auto does not pick it. Elsewhere, and for MoE / MLA models (see Engine.__init__), it is
+    torch's bf16 ops, which ran 0.62-0.83x float32 on that host."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "bfloat16" and device.type == "cpu":

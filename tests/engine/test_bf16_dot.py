@@ -106,3 +106,13 @@ def test_bfloat16_without_prepack_falls_back_to_torch_bf16_with_a_warning(ckpts)
         eng = Engine(str(ckpts["llama-fp32"]), dtype="bfloat16", cpu_prepack=False, **KW)
     assert eng.precision == "bfloat16" and eng.runner.kv_cache.dtype == torch.bfloat16
     assert len(eng.generate(["hello world"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3
+
+
+def test_bfloat16_on_a_moe_model_falls_back_to_torch_bf16_with_a_warning(tmp_path):
+    from moe_factory import make_moe_model
+
+    path = make_moe_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=2)
+    with pytest.warns(RuntimeWarning, match="non-MoE"):
+        eng = Engine(str(path), dtype="bfloat16", **KW)
+    assert eng.precision == "bfloat16" and eng.runner.kv_cache.dtype == torch.bfloat16
+    assert len(eng.generate(["hello world"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3
