@@ -1,6 +1,7 @@
-"""Output tokens/s of DeepInfer in each precision (fp32 vs GGUF blocks as stored) vs HF transformers
-`generate` and, where their environments exist, llama.cpp and vLLM CPU (bf16 and fp32; `vllm_peer.py`),
-side by side, on the default model.
+"""Output tokens/s of DeepInfer in each precision (fp32 vs GGUF blocks as stored, or with --model an HF
+directory in float32 / bfloat16: bf16 dot products, csrc/gemm_bf16dot.c) vs HF transformers `generate`
+and, where their environments exist, llama.cpp and vLLM CPU (bf16 and fp32; `vllm_peer.py`), side by
+side, on the default model (or --model: the same model as an HF directory, e.g. DIR/smollm2-hf).
 
 Greedy, EOS ignored, the same ~20-token prompts for all; HF runs the same weights in fp32. Also batch-1
 decode speed against the memory roofline (bytes of weights read per token / measured bandwidth).
@@ -13,7 +14,10 @@ vLLM's start-up and one warm-up call are outside the timing (its workers stay lo
 
     python benchmarks/throughput.py [--batches 1 8 32 128] [--new-tokens 64] [--repeats 2] [--no-hf]
         [--precisions float32 auto quantized bfloat16] [--peers DIR] [--vllm-dtypes bfloat16 float32]
-        [--no-llamacpp] [--llamacpp-threads N]
+        [--no-llamacpp] [--llamacpp-threads N] [--model DIR]
+
+    python benchmarks/throughput.py --model /work/peers/smollm2-hf --precisions float32 bfloat16 \
+        --peers /work/peers --vllm-dtypes bfloat16 --no-hf --no-llamacpp
 
 llama.cpp gets an explicit thread count (default: every core, like our engine's OpenMP/torch threads),
 for both its decode and its prompt batches: llama-cpp-python's own default is half the cores for
@@ -175,7 +179,9 @@ def main() -> None:
     # engine precisions run side by side (one engine each, alternating): the first is the baseline
     ap.add_argument("--precisions", nargs="+", default=["float32", "auto"],
                     help="Engine(dtype=...) values: float32, auto, quantized, quantized_exact, bfloat16 (on the GGUF: "
-                         "bf16 products from 16 rows)")
+                         "bf16 products from 16 rows; on an HF directory: bf16 dot products)")
+    ap.add_argument("--model", default=None, help="our engines' model (default: the default model's GGUF); "
+                    "an HF directory of the same model runs dtype='bfloat16' as bf16 dot products")
     ap.add_argument("--peers", default=os.environ.get("DEEPINFER_PEERS"),
                     help="directory built by ../shared/peers/setup.sh (llama.cpp from DIR/llamacpp, vLLM from DIR/vllm)")
     ap.add_argument("--vllm-dtypes", nargs="*", default=["bfloat16", "float32"],
@@ -186,11 +192,11 @@ def main() -> None:
     args = ap.parse_args()
     n = args.new_tokens
 
-    engines = {p: Engine(kv_cache_memory=1 << 30, dtype=p) for p in args.precisions}
+    engines = {p: Engine(args.model, kv_cache_memory=1 << 30, dtype=p) for p in args.precisions}
     engine = engines[args.precisions[-1]]
     hf = tok = None
     if not args.no_hf:
-        hf, tok = hf_reference_model()
+        hf, tok = hf_reference_model(args.model)
     peer_py, why = llamacpp_peer(args.peers) if not args.no_llamacpp else (None, "--no-llamacpp")
     print(f"llama.cpp peer: {f'found at {peer_py}, n_threads={args.llamacpp_threads}' if peer_py else 'skipped: ' + why}")
     vllm, why = start_vllm(args.peers, args.vllm_dtypes) if args.vllm_dtypes else ({}, "--vllm-dtypes empty")
@@ -215,7 +221,8 @@ def main() -> None:
     if engine.precision == "float32":
         weight_bytes = sum(p.numel() for p in engine.runner.model.parameters()) * 4
     if not mc.tie_word_embeddings:
-        weight_bytes -= mc.vocab_size * mc.hidden_size * (4 if engine.precision == "float32" else 1)
+        per = {"float32": 4, "bfloat16-dot": 2}.get(engine.precision, 1)
+        weight_bytes -= mc.vocab_size * mc.hidden_size * per
     prompt = make_prompts(1, seed=7)
     bw = decode = 0.0
     for _ in range(max(args.repeats, 3)):

@@ -154,9 +154,12 @@ def load() -> ctypes.CDLL | None:
         f.restype = ctypes.c_int
         lib.di_add_rmsnorm_f32.argtypes = [fp, fp, fp, ctypes.c_float, fp, fp, i64, i64]
         lib.di_add_rmsnorm_f32.restype = ctypes.c_int
-        for g in (lib.di_gemm_f32, lib.di_gemm_bf16, lib.di_gemm_f16):
+        for g in (lib.di_gemm_f32, lib.di_gemm_bf16, lib.di_gemm_f16, lib.di_gemm_bf16dot):
             g.argtypes = [fp, i64, i64, fp, i64, i64, ctypes.c_int, fp, fp, i64]
             g.restype = ctypes.c_int
+        lib.di_gemm_bf16dot_level.restype = ctypes.c_int
+        lib.di_gemm_bf16dot_set_cap.argtypes = [ctypes.c_int]
+        lib.di_gemm_bf16dot_set_cap.restype = None
         lib.di_rope_store_kv_f32.argtypes = [fp, i64, i64, i64, i64, i64, fp, fp, fp, i64, fp, fp, fp]
         lib.di_rope_store_kv_f32.restype = ctypes.c_int
         lib.di_silu_mul_f32.argtypes = [fp, i64, i64, i64, fp]
@@ -193,17 +196,22 @@ PANEL = 48
 # gemm_f16.c: widened exactly in registers, so the result is bit for bit the fp32 kernel's on the
 # widened weights); activations, accumulation and outputs are fp32 in every case
 PANEL_DTYPES = {torch.float32: "di_gemm_f32", torch.bfloat16: "di_gemm_bf16", torch.float16: "di_gemm_f16"}
+# bf16 panels packed with bf16_dot=True run csrc/gemm_bf16dot.c instead: x rounded to bf16, bf16 x bf16
+# products accumulated in fp32 (vdpbf16ps where the CPU has AVX512_BF16): Engine(dtype="bfloat16")
+BF16_DOT = "di_gemm_bf16dot"
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight laid out for `linear` / `gated_linear`: panels [P (x2 when gated), K, 48], in the
-    dtype it was packed from (fp32, bf16 or fp16)."""
+    dtype it was packed from (fp32, bf16 or fp16); bf16_dot: bf16 panels computed as bf16 dot products
+    (x rounded to bf16), not widened to fp32."""
 
     panels: torch.Tensor
     n: int  # output columns (gated: of each half)
     k: int  # input features
     gated: bool
+    bf16_dot: bool = False
 
 
 def _panels(w: torch.Tensor) -> torch.Tensor:
@@ -237,23 +245,34 @@ def _dense_weight(name: str, t: torch.Tensor) -> None:
                                f"got {t.dtype} on {t.device}")
 
 
-def pack_weight(w: torch.Tensor) -> PackedWeight:
+def to_bf16_dot(w: torch.Tensor) -> torch.Tensor:
+    """w rounded to bf16 as the bf16-dot kernel reads it: to nearest even (torch's conversion), NaN
+    kept, subnormals flushed to a zero of their sign (vdpbf16ps reads subnormal inputs as zero; its
+    widening fallback then sees the same values)."""
+    b = w.to(torch.bfloat16)
+    return torch.where(b.abs() < torch.finfo(torch.bfloat16).tiny, b * 0, b)
+
+
+def pack_weight(w: torch.Tensor, bf16_dot: bool = False) -> PackedWeight:
     """Pack an [N, K] weight (fp32, bf16 or fp16, kept in that type) for `linear` (a copy: the
-    original is not referenced)."""
+    original is not referenced). bf16_dot: rounded to bf16 (`to_bf16_dot`) for csrc/gemm_bf16dot.c."""
     _dense_weight("pack_weight: w", w)
     if w.dim() != 2:
         raise KernelInputError(f"pack_weight: expected a 2-D weight, got shape {tuple(w.shape)}")
-    return PackedWeight(_panels(w), w.shape[0], w.shape[1], False)
+    return PackedWeight(_panels(to_bf16_dot(w) if bf16_dot else w), w.shape[0], w.shape[1], False, bf16_dot)
 
 
-def pack_gated_weight(w: torch.Tensor) -> PackedWeight:
+def pack_gated_weight(w: torch.Tensor, bf16_dot: bool = False) -> PackedWeight:
     """Pack a stacked [gate; up] weight [2I, K] for `gated_linear` (gate and up panels interleaved;
-    fp32, bf16 or fp16, kept in that type)."""
+    fp32, bf16 or fp16, kept in that type; bf16_dot: as in `pack_weight`)."""
     _dense_weight("pack_gated_weight: w", w)
     if w.dim() != 2 or w.shape[0] % 2:
         raise KernelInputError(f"pack_gated_weight: expected [2I, K], got shape {tuple(w.shape)}")
+    if bf16_dot:
+        w = to_bf16_dot(w)
     g, u = _panels(w[: w.shape[0] // 2]), _panels(w[w.shape[0] // 2 :])
-    return PackedWeight(torch.stack([g, u], 1).flatten(0, 1).contiguous(), w.shape[0] // 2, w.shape[1], True)
+    return PackedWeight(torch.stack([g, u], 1).flatten(0, 1).contiguous(), w.shape[0] // 2, w.shape[1], True,
+                        bf16_dot)
 
 
 def _gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -271,15 +290,17 @@ def _gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch
     m = x.shape[0]
     y = torch.empty(m, pw.n, dtype=torch.float32)
     if m:
-        gemm = getattr(lib, PANEL_DTYPES[pw.panels.dtype])
-        gemm(x.data_ptr(), x.stride(0), m, pw.panels.data_ptr(), pw.k, pw.n, int(pw.gated),
-             bias.data_ptr() if bias is not None else None, y.data_ptr(), pw.n)
+        gemm = getattr(lib, BF16_DOT if pw.bf16_dot else PANEL_DTYPES[pw.panels.dtype])
+        rc = gemm(x.data_ptr(), x.stride(0), m, pw.panels.data_ptr(), pw.k, pw.n, int(pw.gated),
+                  bias.data_ptr() if bias is not None else None, y.data_ptr(), pw.n)
+        if rc:
+            raise MemoryError(f"linear: no memory for x's bf16 copy ({m} x {pw.k})")
     return y
 
 
 def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for W packed by `pack_weight`. Every output is one multiply-add chain
-    over k in order, so a row's bits do not depend on M or the other rows."""
+    over k in a fixed order, so a row's bits do not depend on M or the other rows."""
     if pw.gated:
         raise KernelInputError("linear: this weight was packed for gated_linear")
     return _gemm(x, pw, bias)
@@ -290,6 +311,23 @@ def gated_linear(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     if not pw.gated:
         raise KernelInputError("gated_linear: this weight was packed for linear")
     return _gemm(x, pw, None)
+
+
+def bf16_dot_level() -> int:
+    """1 where the bf16-dot kernel runs vdpbf16ps (AVX512_BF16), 0 where it runs its widening fallback
+    (see csrc/gemm_bf16dot.c), after any `set_bf16_dot_cap`."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    return int(lib.di_gemm_bf16dot_level())
+
+
+def set_bf16_dot_cap(cap: int | None) -> None:
+    """0 forces the bf16-dot kernel's widening fallback (tests, side-by-side runs); None lifts that."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    lib.di_gemm_bf16dot_set_cap(1 if cap is None else int(cap))
 
 
 def token_attention(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
@@ -37,6 +38,7 @@ from deepinfer.engine.speculation import ForwardCost, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step, plan_step
 from deepinfer.engine.structured_output import StructuredOutputs
+from deepinfer.engine.weights16 import bf16_dot_available
 from deepinfer.errors import DistributedWorkerError, ExpertParallelConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
@@ -62,12 +64,22 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     (benchmarks/weights16.py, 32 new tokens, medians of 3-4, arms alternating in one process): auto
     (bf16 panels) / float32 = 1.72x tokens/s at batch 1, 1.47x at 8, 1.08-1.11x at 32, 0.94-1.07x at
     128 over two runs (there the layers' GEMMs are compute-bound: 0.97-1.01x per call), with
-    resident weights 1.02x the checkpoint's bytes instead of 4.0x; "bfloat16" (torch's bf16 ops, no
-    native kernels) ran 0.62-0.83x float32 there, so auto never picks it on CPU."""
+    resident weights 1.02x the checkpoint's bytes instead of 4.0x.
+
+    "bfloat16" on CPU, where the native bf16-dot GEMM runs (weights16.bf16_dot_available: native
+    kernels, AVX-512F), computes activations, norms, attention and the KV cache in fp32 and every
+    projection as bf16 dot products accumulated in fp32 (csrc/gemm_bf16dot.c, weights rounded to bf16
+    at load): SmolLM2-135M as an fp32 directory on that host (benchmarks/throughput.py --model, 64 new
+    tokens, best of 3) 1.44x / 1.61x / 1.48x / 1.71x float32's tokens/s at batch 1 / 8 / 32 / 128,
+    greedy answers equal on 6/8 prompts x 32 tokens, logprobs within 0.061 (benchmarks/bf16_dot.py
+    --accuracy); auto does not pick it. Elsewhere, and for MoE / MLA models (see Engine.__init__), it is
+    torch's bf16 ops, which ran 0.62-0.83x float32 on that host."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "bfloat16" and device.type == "cpu" and _native_kernels():
-        return torch.float32  # fp32 activations between ops; the projections' products in bf16 (_quant_mode)
+        # fp32 activations between ops, the projections' products in bf16: a GGUF's blocks in the quant
+        # mode "bf16" (_quant_mode), other checkpoints as bf16 dot products (Engine.__init__, weights16.py)
+        return torch.float32
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in QUANT_DTYPES:
         if device.type != "cpu":
@@ -149,13 +161,24 @@ class Engine:
             from deepinfer.distributed.ep_runner import weight_filter
 
             tensor_filter = weight_filter(cfg)
-        # auto on CPU: a bf16 / fp16 model directory's projections stay 16-bit (weights16.py)
-        keep_16bit = cfg.dtype == "auto" and self.device.type == "cpu" and cfg.expert_parallel_size == 1
+        # auto on CPU: a bf16 / fp16 model directory's projections stay 16-bit (weights16.py); bfloat16
+        # with fp32 activations (_resolve_dtype): the projections as bf16 dot products (bf16_dot)
+        bf16_dot = cfg.dtype == "bfloat16" and self.device.type == "cpu" and self.dtype == torch.float32
+        keep_16bit = (cfg.dtype == "auto" or bf16_dot) and self.device.type == "cpu" and cfg.expert_parallel_size == 1
         loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=quant_mode is not None,
                             tensor_filter=tensor_filter, keep_16bit=keep_16bit)
         if cfg.dtype in QUANT_DTYPES and not loaded.quantized:
             raise InvalidRequestError(f"dtype={cfg.dtype!r} needs a GGUF checkpoint with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors; "
                                       f"{loaded.source} has none")
+        if bf16_dot and loaded.quantized and quant_mode:
+            bf16_dot = keep_16bit = False  # a GGUF's blocks kept as stored: quant_linear.py's kernels
+        elif bf16_dot and (loaded.config.moe is not None or loaded.config.mla is not None
+                           or cfg.expert_parallel_size > 1 or not cfg.cpu_prepack or not bf16_dot_available()):
+            warnings.warn("dtype='bfloat16' on CPU: the native bf16-dot projections run dense (non-MoE, non-MLA) "
+                          "models with cpu_prepack=True on an AVX-512 CPU only; this model runs torch's bf16 ops "
+                          "instead", RuntimeWarning, stacklevel=2)
+            bf16_dot = keep_16bit = False
+            self.dtype = torch.bfloat16
         self.model_source = loaded.source
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
@@ -171,7 +194,8 @@ class Engine:
                 return
         else:
             self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
-                                      quantized=loaded.quantized, quant_mode=quant_mode, keep_16bit=keep_16bit)
+                                      quantized=loaded.quantized, quant_mode=quant_mode, keep_16bit=keep_16bit,
+                                      bf16_dot=bf16_dot)
         del loaded
         # one KV pool, or one per data-parallel attention rank (expert parallelism)
         self.kv = make_kv(getattr(self.runner, "kv_ranks", 1), self.runner.num_blocks, cfg.block_size,
@@ -179,7 +203,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv)
         self.stats = EngineStats()
         self.stats.weight_bytes, self.stats.checkpoint_bytes = self.runner.weight_bytes(), _checkpoint_bytes(self.model_source)
-        # "float32", "quantized-int8", "quantized-exact", "quantized-bf16", "bfloat16-weights" or "float16-weights"
+        # "float32", "quantized-int8", "quantized-exact", "quantized-bf16", "bfloat16-weights", "float16-weights",
+        # "bfloat16-dot" (dtype="bfloat16" on CPU with the native kernels) or "bfloat16" (torch's bf16 ops)
         self.precision = self.runner.precision
         # token ids that end generation: the tokenizer's EOS set plus the model config's
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))

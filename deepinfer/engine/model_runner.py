@@ -47,11 +47,14 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  quantized: dict | None = None, quant_mode: str | None = None, model_hook=None,
-                 num_blocks: int | None = None, keep_16bit: bool = False):
+                 num_blocks: int | None = None, keep_16bit: bool = False, bf16_dot: bool = False):
         """model_hook(model): called between building the model and loading its weights (expert
         parallelism: a worker keeps only its own experts, deepinfer/distributed/ep_model.py).
         keep_16bit: a bf16 / fp16 checkpoint's projections (given as stored in `weights`) stay in 16-bit
         panels on CPU fp32 where it qualifies (weights16.py); otherwise they load converted to `dtype`.
+        bf16_dot: every projection rounded to bf16 panels and run as bf16 dot products with fp32
+        accumulation (Engine(dtype="bfloat16") on CPU, `dtype` fp32: weights16.py); ModelLoadError where
+        the model does not qualify (the engine checks that first).
         num_blocks: the KV pool's size in blocks (a draft model's runner mirrors the target's block
         ids); None sizes it from the config's memory budget."""
         self.config = config
@@ -63,12 +66,18 @@ class ModelRunner:
         if model_hook is not None:
             model_hook(self.model)
         self.kept_16bit = None  # {HF name: 16-bit tensor} until _select_linear packs them
-        if keep_16bit and device.type == "cpu" and dtype == torch.float32 and not (quantized and quant_mode):
+        self.bf16_dot = bf16_dot
+        if (keep_16bit or bf16_dot) and device.type == "cpu" and dtype == torch.float32 and not (quantized and quant_mode):
             from deepinfer.engine.weights16 import split_16bit
 
-            split = split_16bit(self.model, weights, model_config, config.cpu_prepack)
+            split = split_16bit(self.model, weights, model_config, config.cpu_prepack, bf16_dot=bf16_dot)
             if split is not None:
                 weights, self.kept_16bit = split
+        if bf16_dot and self.kept_16bit is None:
+            from deepinfer.errors import ModelLoadError
+
+            raise ModelLoadError("bf16 dot products need a dense model on CPU with native kernels, cpu_prepack=True "
+                                 "and float32 activations")
         self.model.load_weights(weights, dtype, device)
         self.model.eval()
         # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
@@ -162,9 +171,10 @@ class ModelRunner:
             from deepinfer.engine.weights16 import install_16bit
 
             dtype = next(iter(self.kept_16bit.values())).dtype
-            lin = install_16bit(self.model, self.kept_16bit, invariant=invariant)
+            lin = install_16bit(self.model, self.kept_16bit, invariant=invariant, bf16_dot=self.bf16_dot)
             self.kept_16bit = None  # the panels are the only copy now
-            self.precision = f"{str(dtype).removeprefix('torch.')}-weights"  # bfloat16- / float16-weights
+            # bfloat16- / float16-weights (fp32 arithmetic), or bfloat16-dot (bf16 products)
+            self.precision = "bfloat16-dot" if self.bf16_dot else f"{str(dtype).removeprefix('torch.')}-weights"
             return lin
         if on_cpu_fp32 and quantized and quant_mode:
             from deepinfer.engine.quant_linear import install_quantized

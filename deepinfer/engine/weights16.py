@@ -1,5 +1,6 @@
 """A bf16 or fp16 checkpoint's projections kept in their own 16-bit storage on CPU (Engine(dtype="auto")
-on such a model directory; activations, KV cache and accumulation stay fp32).
+on such a model directory; activations, KV cache and accumulation stay fp32), and any dense checkpoint's
+projections rounded to bf16 for bf16 dot products (Engine(dtype="bfloat16") on CPU, ``bf16_dot``).
 
 `split_16bit(model, weights, ...)` decides whether the checkpoint qualifies (a dense model whose every
 projection and embedding tensor is stored in one 16-bit type, on a CPU where the native panel GEMM
@@ -15,6 +16,11 @@ order, so logits are bit for bit those of Engine(dtype="float32") on the same ch
 batch-invariant mode holds as it does there. A tied embedding is looked up in the LM head's panels
 (no second copy); an untied one stays a 16-bit [V, K] tensor. Resident weights are then about the
 checkpoint's bytes (panels are zero-padded to 48 output columns) instead of 2x for fp32 panels.
+
+With ``bf16_dot`` every projection (fp32, bf16 or fp16 as stored) is rounded to bf16 once at load
+(`native.to_bf16_dot`; the fp32 tensors are dropped) into the same panels, and the GEMM is
+csrc/gemm_bf16dot.c: x rounded to bf16 per call, bf16 x bf16 products summed in fp32 in a fixed order
+(batch-invariant as above, but not the fp32 kernel's bits). A tied embedding then reads bf16-rounded rows.
 """
 
 from __future__ import annotations
@@ -28,16 +34,31 @@ from deepinfer.errors import ModelLoadError
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepack: bool = True
-                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+def bf16_dot_available() -> bool:
+    """Engine(dtype="bfloat16") on CPU runs the native bf16-dot GEMM here: the native kernels built and
+    the CPU has AVX-512F (the 8 x 48 tile's registers, as for the fp32 panels: native_gemm_preferred);
+    vdpbf16ps itself is used where the CPU also has AVX512_BF16 (else the kernel's widening fallback)."""
+    return native_gemm_preferred()
+
+
+def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepack: bool = True,
+                bf16_dot: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
     """(weights with placeholders for the tensors kept in 16 bits, {HF name: 16-bit tensor}), or None
     when this checkpoint / machine does not qualify (the caller loads `weights` as they are, converted
-    to the runner's dtype). `model` is built but not yet loaded."""
+    to the runner's dtype). `model` is built but not yet loaded. bf16_dot: every projection qualifies
+    whatever its floating-point type, and is returned rounded to bf16 (`native.to_bf16_dot`)."""
     if not cpu_prepack or model_config.moe is not None or model_config.mla is not None:
         return None
     if not hasattr(model, "projection_sources") or not native_gemm_preferred():
         return None
     names = [n for _, ns in model.projection_sources() for n in ns]
+    if bf16_dot:
+        from deepinfer_kernels import native
+
+        if not all(n in weights and weights[n].is_floating_point() for n in names):
+            return None
+        kept = {n: native.to_bf16_dot(weights[n]) for n in names}
+        return {n: (placeholder(tuple(t.shape)) if n in kept else t) for n, t in weights.items()}, kept
     kinds = {weights[n].dtype if n in weights else None for n in names}
     if len(kinds) != 1 or next(iter(kinds)) not in DTYPES:
         return None  # fp32 (or mixed) projections: fp32 panels as before
@@ -46,10 +67,11 @@ def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepa
     return rest, kept
 
 
-def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False) -> CpuLinear:
+def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False, bf16_dot: bool = False) -> CpuLinear:
     """Pack every projection of the model (loaded with `split_16bit`'s placeholders) from `kept` into
     16-bit panels and return the native linear over them (keyed by the placeholders' addresses); the
-    embedding lookups read the tied LM head's panels, or the untied 16-bit matrix."""
+    embedding lookups read the tied LM head's panels, or the untied 16-bit matrix. bf16_dot: the
+    panels run the bf16-dot GEMM (`kept` from split_16bit(..., bf16_dot=True))."""
     from deepinfer_kernels import native
 
     linear = {w.data_ptr() for w in model.linear_weights()}
@@ -63,9 +85,9 @@ def install_16bit(model, kept: dict[str, torch.Tensor], invariant: bool = False)
         w16 = kept[names[0]] if len(names) == 1 else torch.cat([kept[n] for n in names], 0)
         key = ph.data_ptr()
         if key in gated:
-            packed_gated[key] = native.pack_gated_weight(w16.contiguous())
+            packed_gated[key] = native.pack_gated_weight(w16.contiguous(), bf16_dot=bf16_dot)
         elif key in linear:
-            packed[key] = native.pack_weight(w16.contiguous())
+            packed[key] = native.pack_weight(w16.contiguous(), bf16_dot=bf16_dot)
         if param is model.embed_tokens:
             if key in packed:  # tied: the LM head's panels serve the lookups too
                 pw = packed[key]

@@ -1,4 +1,5 @@
-"""Batch-invariant mode: a request's tokens and logprobs do not depend on the batch around it, bitwise."""
+"""Batch-invariant mode: a request's tokens and logprobs do not depend on the batch around it, bitwise
+(in float32, and in bfloat16 with the native bf16-dot projections)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import pytest
 
 from deepinfer import Engine, SamplingParams
+from deepinfer.engine.weights16 import bf16_dot_available
 from test_engine_core import WORDS, assert_all_blocks_free
 
 
@@ -14,11 +16,16 @@ def _prompt(r: random.Random, lo: int, hi: int) -> str:
     return " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))
 
 
-@pytest.fixture(scope="module")
-def bi_engine(tiny_models):
-    # a small step budget so long prompts are prefilled in chunks, prefix cache on
-    return Engine(str(tiny_models["llama"]), kv_cache_memory=16 << 20, block_size=4,
-                  batch_invariant=True, max_num_batched_tokens=96)
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def bi_engine(tiny_models, request):
+    # a small step budget so long prompts are prefilled in chunks, prefix cache on; bfloat16: the
+    # projections as bf16 dot products (csrc/gemm_bf16dot.c), one fixed order per output as in fp32
+    if request.param == "bfloat16" and not bf16_dot_available():
+        pytest.skip("bf16 dot products need the native GEMM on AVX-512")
+    eng = Engine(str(tiny_models["llama"]), kv_cache_memory=16 << 20, block_size=4, dtype=request.param,
+                 batch_invariant=True, max_num_batched_tokens=96)
+    assert eng.precision == {"float32": "float32", "bfloat16": "bfloat16-dot"}[request.param]
+    return eng
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
