@@ -11,7 +11,9 @@ shared, so read the ratios):
    from the read bandwidth measured in the same run (common.read_bandwidth_gbs): the dense GEMM reuses
    each weight T * top-k times from cache, the grouped one only its expert's rows' worth from memory,
    so it can reach at most min(dense, 2 * rows / bytes-per-weight * bandwidth), the active experts'
-   weights read once.
+   weights read once. (At a few tokens the active experts' weights are not much more than the L3, and
+   the repeated calls find part of them there: the roofline understates what is possible, and
+   grouped/roofline can pass 1.)
 
     python benchmarks/moe_kernels.py [--rows 1 32 512] [--tokens 32 128 512] [--repeats 15]
 """
