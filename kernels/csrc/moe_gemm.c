@@ -19,8 +19,8 @@
  * - n <= TALL_MAX (routed experts at decode and up to a few hundred tokens): the tall tile, up to MT
  *   rows x one vector (AVX-512: 24 x 16, one accumulator a row; AVX2: 12 x 8). Each panel streams
  *   once, from memory, through one pass of FMAs; the rows are copied transposed first, so a tile's
- *   broadcasts are constant offsets from one pointer (folded into the FMAs with AVX-512). Threads
- *   take runs of consecutive items (about CHUNK_BYTES of weights each), so each streams long
+ *   broadcasts are constant offsets from one pointer (folded into the FMAs with AVX-512). An item is
+ *   a run of consecutive panels (about RUN_BYTES of weights), so each thread streams long
  *   sequential reads. Why: at 16 rows an expert (V3-shaped model, 128 tokens) the 8 x 48 tile read
  *   a k block from memory for its first row tile and from L1 for its second, so the stream idled
  *   while the second computed: 29-31 GB/s of the ~40 a plain read reaches, 0.57-0.66 of the dense
@@ -151,22 +151,21 @@ MOE_SWITCH(di_moe_dynamic_on, di_moe_set_dynamic)
 #define SCHEDULE_END
 #endif
 
-/* A dynamic run: about CHUNK_BYTES of weights, at least CHUNKS_PER_THREAD runs a thread. With one item
- * at a time (a down item is 16 KiB at I = 256) the two threads' items interleave in memory and
- * neither reads a sequential stream: at 128 tokens, V3 shapes, 2 threads, one item at a time ran at
- * 0.85x of 1 MiB runs (256 vs 300 GFLOP/s); 256 KiB 0.90x, 4 MiB 1.02x, one static block each 0.91x. */
-#ifndef CHUNKS_PER_THREAD
-#define CHUNKS_PER_THREAD 4
+/* A tall group's items are runs of consecutive panels (about RUN_BYTES of weights, at least
+ * RUNS_PER_THREAD runs a thread over all tall groups), so each thread reads a sequential stream.
+ * With one panel an item (a down item is 16 KiB at I = 256) the two threads' items interleaved in
+ * memory: at 128 tokens, V3 shapes, 2 threads, one at a time ran at 0.85x of 1 MiB runs (256 vs 300
+ * GFLOP/s); 256 KiB 0.90x, 4 MiB 1.02x. (A wide group's items stay one 3-panel chunk each: they are
+ * compute-bound, and runs of them left one thread with up to a run more work at the barrier.) */
+#ifndef RUNS_PER_THREAD
+#define RUNS_PER_THREAD 4
 #endif
-#ifndef CHUNK_BYTES
-#define CHUNK_BYTES (1 << 20)
+#ifndef RUN_BYTES
+#define RUN_BYTES (1 << 20)
 #endif
-/* How many consecutive items of item_bytes weights a thread takes at a time in the expert kernel's
- * loops: a run (dynamic), or an equal block of them (static). */
-static inline int64_t chunk_items(int64_t items, int64_t item_bytes, int nthreads) {
-    if (!moe_dynamic) return items / nthreads + 1;
-    int64_t c = CHUNK_BYTES / item_bytes;
-    if (c > items / (CHUNKS_PER_THREAD * nthreads)) c = items / (CHUNKS_PER_THREAD * nthreads);
+static inline int64_t run_panels(int64_t panels, int64_t panel_bytes, int nthreads) {
+    int64_t c = RUN_BYTES / panel_bytes;
+    if (c > panels / (RUNS_PER_THREAD * nthreads)) c = panels / (RUNS_PER_THREAD * nthreads);
     return c > 1 ? c : 1;
 }
 
@@ -447,16 +446,6 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         const int64_t n = group_start[g + 1] - group_start[g];
         if (n > TALL_MAX && n > max_wide) max_wide = n;
     }
-    /* items: in `order`, a group's column chunks (its gate/up chunks; the down GEMM's are the same
-     * count of Ph-panel chunks, found the same way): chunk0[i] = the first item of the i-th group */
-    chunk0[0] = 0;
-    for (int64_t i = 0; i < G; ++i) {
-        const int64_t n = group_start[order[i] + 1] - group_start[order[i]];
-        chunk0[i + 1] = chunk0[i] + (n > TALL_MAX ? (Pi + 2) / 3 : Pi);
-    }
-    int64_t down_items = 0;
-    for (int64_t i = 0; i < G; ++i)
-        down_items += group_start[order[i] + 1] - group_start[order[i]] > TALL_MAX ? (Ph + 2) / 3 : Ph;
 #ifdef _OPENMP
     const int nthreads = omp_get_max_threads();
 #else
@@ -473,11 +462,19 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         free(xt); free(scratch); free(down0);
         return -2;
     }
-    down0[0] = 0;
-    for (int64_t i = 0; i < G; ++i)
-        down0[i + 1] = down0[i] + (group_start[order[i] + 1] - group_start[order[i]] > TALL_MAX ? (Ph + 2) / 3 : Ph);
-    const int64_t gu_chunk = chunk_items(chunk0[G], (int64_t)sizeof(wt_t) * 2 * H * VW, nthreads);
-    const int64_t down_chunk = chunk_items(down0[G], (int64_t)sizeof(wt_t) * I * VW, nthreads);
+    /* items, in `order`: a tall group's runs of run_gu gate/up panel pairs (run_dn down panels), a wide
+     * group's 3-panel chunks; chunk0[i] / down0[i] = the first gate/up / down item of the i-th group */
+    int64_t tall = 0;
+    for (int64_t g = 0; g < G; ++g) tall += group_start[g + 1] - group_start[g] <= TALL_MAX;
+    const int64_t run_gu = run_panels(tall * Pi, (int64_t)sizeof(wt_t) * 2 * H * VW, nthreads);
+    const int64_t run_dn = run_panels(tall * Ph, (int64_t)sizeof(wt_t) * I * VW, nthreads);
+    chunk0[0] = down0[0] = 0;
+    for (int64_t i = 0; i < G; ++i) {
+        const int wide = group_start[order[i] + 1] - group_start[order[i]] > TALL_MAX;
+        chunk0[i + 1] = chunk0[i] + (wide ? (Pi + 2) / 3 : (Pi + run_gu - 1) / run_gu);
+        down0[i + 1] = down0[i] + (wide ? (Ph + 2) / 3 : (Ph + run_dn - 1) / run_dn);
+    }
+    SCHEDULE_BEGIN
 #pragma omp parallel if (R * H * I >= 65536)
     {
 #ifdef _OPENMP
@@ -487,7 +484,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
 #endif
         const float **rows = (const float **)(scratch + (size_t)tid * per_thread);
         float *bg = (float *)(scratch + (size_t)tid * per_thread + ptr_bytes);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(runtime)
         for (int64_t g = 0; g < G; ++g) {
             const int64_t r0 = group_start[g], n = group_start[g + 1] - r0;
             for (int64_t i = 0; n <= TALL_MAX && i * MT < n; ++i) {
@@ -500,7 +497,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
             }
         }
-#pragma omp for schedule(dynamic, gu_chunk)
+#pragma omp for schedule(runtime)
         for (int64_t item = 0; item < chunk0[G]; ++item) {
             int64_t i = 0;
             while (chunk0[i + 1] <= item) ++i;  /* (G is at most the expert count) */
@@ -517,23 +514,25 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                            h + r0 * I + p * VW, I, ncols);
                 continue;
             }
-            const wt_t *wg = wgu + 2 * q * H * VW, *wu = wg + H * VW;
-            const int64_t ncols = I - q * VW < VW ? I - q * VW : VW;
-            for (int64_t j = 0; j * MT < n; ++j) {
-                int64_t t0;
-                const int m = split_even(n, MT, j, &t0);
-                const float *xg = xt + (r0 + t0) * H;
-                float *hg = h + (r0 + t0) * I + q * VW * m;
-                switch (m) {
+            for (int64_t p = q * run_gu; p < Pi && p < (q + 1) * run_gu; ++p) {
+                const wt_t *wg = wgu + 2 * p * H * VW, *wu = wg + H * VW;
+                const int64_t ncols = I - p * VW < VW ? I - p * VW : VW;
+                for (int64_t j = 0; j * MT < n; ++j) {
+                    int64_t t0;
+                    const int m = split_even(n, MT, j, &t0);
+                    const float *xg = xt + (r0 + t0) * H;
+                    float *hg = h + (r0 + t0) * I + p * VW * m;
+                    switch (m) {
 #define GATED(mm) case mm: gated_tile(mm, xg, mm, wg, wu, H, hg, ncols); break;
-                TILE_CASES(GATED)
+                    TILE_CASES(GATED)
 #undef GATED
-                default: gated_tile(1, xg, 1, wg, wu, H, hg, ncols); break;
+                    default: gated_tile(1, xg, 1, wg, wu, H, hg, ncols); break;
+                    }
                 }
             }
         }
         /* (the implicit barrier of the loop above: every h row is complete here) */
-#pragma omp for schedule(dynamic, down_chunk)
+#pragma omp for schedule(runtime)
         for (int64_t item = 0; item < down0[G]; ++item) {
             int64_t i = 0;
             while (down0[i + 1] <= item) ++i;
@@ -560,19 +559,21 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
                 continue;
             }
-            const wt_t *w = wd + q * I * VW;
-            const int64_t ncols = H - q * VW < VW ? H - q * VW : VW;
-            for (int64_t j = 0; j * MT < n; ++j) {
-                int64_t t0;
-                const int m = split_even(n, MT, j, &t0);
-                float *orows[MT];
-                for (int r = 0; r < m; ++r) orows[r] = y + pair[r0 + t0 + r] * ldy + q * VW;
-                const float *hg = h + (r0 + t0) * I;
-                switch (m) {
+            for (int64_t p = q * run_dn; p < Ph && p < (q + 1) * run_dn; ++p) {
+                const wt_t *w = wd + p * I * VW;
+                const int64_t ncols = H - p * VW < VW ? H - p * VW : VW;
+                for (int64_t j = 0; j * MT < n; ++j) {
+                    int64_t t0;
+                    const int m = split_even(n, MT, j, &t0);
+                    float *orows[MT];
+                    for (int r = 0; r < m; ++r) orows[r] = y + pair[r0 + t0 + r] * ldy + p * VW;
+                    const float *hg = h + (r0 + t0) * I;
+                    switch (m) {
 #define DOWN(mm) case mm: down_tile(mm, hg, mm, w, I, orows, ncols); break;
-                TILE_CASES(DOWN)
+                    TILE_CASES(DOWN)
 #undef DOWN
-                default: down_tile(1, hg, 1, w, I, orows, ncols); break;
+                    default: down_tile(1, hg, 1, w, I, orows, ncols); break;
+                    }
                 }
             }
         }
@@ -582,6 +583,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
             for (int64_t t = 0; t < T; ++t) combine_rows(y, ldy, t, k, wts, add, ldadd, out + t * ldo, H);
         }
     }
+    SCHEDULE_END
     free(count); free(pair); free(group_start); free(group_expert); free(order); free(chunk0); free(down0);
     free(xt); free(scratch);
     return 0;
