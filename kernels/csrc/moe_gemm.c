@@ -34,11 +34,13 @@
  *   re-reads all of an expert's rows per 16 columns, from L3 once they outgrow L2: at 512 rows it
  *   ran 0.4x of this one.
  *
- * benchmarks/moe_kernels.py, V3 layer shapes (32 x [2 x 256 x 1024] + [1024 x 256], top-4, fp32),
- * 2 threads, quiet window, median of 9 alternating, against the previous kernel (8 x 48 tile only) in
- * the same run: 128 tokens 295 vs 233 GFLOP/s (0.77 of its dense 383 GFLOP/s, was 0.61); 512
- * tokens 338 vs 334 and 8 tokens 40 vs 38 (within the noise); the bits are unchanged. The
- * roofline at 16 rows an expert: 8 FLOP a weight byte x ~40 GB/s = ~320 GFLOP/s (0.84 of dense).
+ * Side by side with the previous kernel (8 x 48 tile only, 48-column panels) in one run (V3 layer
+ * shapes 32 x [2 x 256 x 1024] + [1024 x 256], top-4, fp32, 2 threads, quiet window, median of 9
+ * alternating; the bits are unchanged): 128 tokens 295 vs 218 GFLOP/s (0.79 of the previous
+ * kernel's dense GEMM, 371, was 0.59); 512 tokens 328 vs 326 and 8 tokens 42 vs 31. The roofline at
+ * 16 rows an expert: 8 FLOP a weight byte x 40-49 GB/s read = 320-390 GFLOP/s, 0.84-1.0 of dense.
+ * The wide tile over 3 separate panels costs the dense GEMM (one expert, all rows) a little: 0.97x
+ * at 1024 x 256 with 512 rows, 0.90x at 1024 x 2048 (2 threads; 0.93x at 1).
  *
  * Every output element is one multiply-add chain over k = 0 .. K-1 in order whatever the tile a
  * row lands in and whichever tokens share its expert, and silu * mul is elementwise, so a pair's
@@ -156,7 +158,8 @@ MOE_SWITCH(di_moe_dynamic_on, di_moe_set_dynamic)
  * With one panel an item (a down item is 16 KiB at I = 256) the two threads' items interleaved in
  * memory: at 128 tokens, V3 shapes, 2 threads, one at a time ran at 0.85x of 1 MiB runs (256 vs 300
  * GFLOP/s); 256 KiB 0.90x, 4 MiB 1.02x. (A wide group's items stay one 3-panel chunk each: they are
- * compute-bound, and runs of them left one thread with up to a run more work at the barrier.) */
+ * compute-bound, and runs of them left one thread with up to a run more work at the barrier; OpenMP
+ * chunks of ~1 MiB over all items instead: 282 vs 295 GFLOP/s at 128 tokens, dense 0.95x vs 0.97x.) */
 #ifndef RUNS_PER_THREAD
 #define RUNS_PER_THREAD 4
 #endif
