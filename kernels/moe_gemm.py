@@ -48,7 +48,7 @@ def available() -> bool:
 
 
 def panel_width() -> int:
-    """Output columns per packed panel (48 with AVX-512, 24 otherwise: the register tile's width)."""
+    """Output columns per packed panel (16 with AVX-512, 8 otherwise: one vector register)."""
     return int(_lib().di_moe_nr())
 
 

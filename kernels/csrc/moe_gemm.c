@@ -9,21 +9,38 @@
  * copy of y, no per-expert call from Python: the torch version (argsort, index_select, 2 GEMMs per
  * active expert, index_copy) spent most of a decode step's MoE time in per-call overhead.
  *
- * Weights are packed once at load into panels of NR output columns ([K][NR], zero-padded past N),
- * all experts stacked: gate/up as 2 * ceil(I / NR) interleaved panels per expert (gate panel p,
- * then the up panel p) over K = H, down as ceil(H / NR) panels over K = I.
+ * Weights are packed once at load into panels of VW output columns (one vector: 16 with AVX-512,
+ * 8 otherwise; [K][VW], zero-padded past N), all experts stacked: gate/up as 2 * ceil(I / VW)
+ * interleaved panels per expert (gate panel p, then the up panel p) over K = H, down as
+ * ceil(H / VW) panels over K = I.
  *
- * Register tile: MR rows x NR = 3 vectors. AVX-512: 8 x 48 (24 of 32 zmm registers); otherwise
- * (AVX2: 16 ymm registers) 4 x 24, 12 accumulators + 3 weight vectors + 1 broadcast, which the
- * shared 8 x 48 panel GEMM (gemm.c) spills on such CPUs. Threads split (expert, panel) items.
+ * Two register tiles over the same panels, chosen per expert by its row count n:
  *
- * Gate/up is k-blocked (KC k steps of a panel pair = 24 KiB stay in L1d while every row tile of the
- * expert uses them) and each weight load is pinned to a register (IN_REGISTERS); panels are
- * prefetched PF_BYTES ahead. Side by side against the unblocked kernel (1 and 2 threads, V3-layer
- * shapes 32 x [2 x 256 x 1024] + [1024 x 256], top-4, best of 9 alternating, machine under load):
- * 1.23-1.29x at 512 tokens (compute-bound), 1.03-1.10x at 128, 1.10-1.17x at 32 (weight streaming);
- * the bits are unchanged. (A prefetch of the next k block spread over the row tiles measured 0.8x:
- * its per-step bookkeeping in the inner loop cost more than the overlap won.)
+ * - n <= TALL_MAX (routed experts at decode and up to a few hundred tokens): the tall tile, up to MT
+ *   rows x one vector (AVX-512: 24 x 16, one accumulator a row; AVX2: 12 x 8). Each panel streams
+ *   once, from memory, through one pass of FMAs; the rows are copied transposed first, so a tile's
+ *   broadcasts are constant offsets from one pointer (folded into the FMAs with AVX-512). An item is
+ *   a run of consecutive panels (about RUN_BYTES of weights), so each thread streams long
+ *   sequential reads. Why: at 16 rows an expert (V3-shaped model, 128 tokens) the 8 x 48 tile read
+ *   a k block from memory for its first row tile and from L1 for its second, so the stream idled
+ *   while the second computed: 29-31 GB/s of the ~40 a plain read reaches, 0.57-0.66 of the dense
+ *   GEMM's GFLOP/s (the same kernel on one expert, all rows). The tall tile reaches 230 GFLOP/s a
+ *   core from L1 (the 8 x 48 tile: ~200).
+ * - larger n (a dense layer's or a shared expert's rows at prefill): the wide tile, MR rows x up to 3
+ *   vectors from 3 adjacent panels (AVX-512: 8 x 48 in 24 of 32 zmm registers; AVX2: 4 x 24, 12
+ *   accumulators + 3 weight vectors + 1 broadcast, which the shared 8 x 48 panel GEMM (gemm.c)
+ *   spills on such CPUs), gate/up k-blocked (KC k steps of the chunk = 24 KiB stay in L1d while
+ *   every row tile uses them), each weight load pinned to a register (IN_REGISTERS). The tall tile
+ *   re-reads all of an expert's rows per 16 columns, from L3 once they outgrow L2: at 512 rows it
+ *   ran 0.4x of this one.
+ *
+ * Side by side with the previous kernel (8 x 48 tile only, 48-column panels) in one run (V3 layer
+ * shapes 32 x [2 x 256 x 1024] + [1024 x 256], top-4, fp32, 2 threads, quiet window, median of 9
+ * alternating; the bits are unchanged): 128 tokens 295 vs 218 GFLOP/s (0.79 of the previous
+ * kernel's dense GEMM, 371, was 0.59); 512 tokens 328 vs 326 and 8 tokens 42 vs 31. The roofline at
+ * 16 rows an expert: 8 FLOP a weight byte x 40-49 GB/s read = 320-390 GFLOP/s, 0.84-1.0 of dense.
+ * The wide tile over 3 separate panels costs the dense GEMM (one expert, all rows) a little: 0.97x
+ * at 1024 x 256 with 512 rows, 0.90x at 1024 x 2048 (2 threads; 0.93x at 1).
  *
  * Every output element is one multiply-add chain over k = 0 .. K-1 in order whatever the tile a
  * row lands in and whichever tokens share its expert, and silu * mul is elementwise, so a pair's
@@ -60,12 +77,20 @@ typedef float wt_t;
 #if defined(__AVX512F__)
 #define VW 16
 #define MR 8
+#define MT 24
 #else
 #define VW 8
 #define MR 4
+#define MT 12
 #endif
 #define NR (3 * VW)
-/* k block of the gate/up GEMM: 2 panels x KC x NR floats = 24 KiB (L1d is 32 KiB or more) */
+/* the most rows an expert may have for the tall tile (benchmarks/moe_kernels.py, 512 tokens = ~64
+ * rows an expert, 2 threads: the tall tile up to 64 rows 321 GFLOP/s, up to 32 (the wide tile at 64)
+ * 340: its rows come from L2 at 64, twice as many bytes a FMA as the wide tile's) */
+#ifndef TALL_MAX
+#define TALL_MAX 32
+#endif
+/* k block of the wide tile's gate/up GEMM: 2 x KC x NR floats = 24 KiB (L1d is 32 KiB or more) */
 #define KC (3072 / NR)
 
 typedef float vf __attribute__((vector_size(VW * 4)));
@@ -87,11 +112,12 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #define KEEP_ROUNDED(v) do { volatile vf keep_ = (v); (v) = keep_; } while (0)
 #endif
 
-/* Software prefetch PF_BYTES ahead in a panel (two lines: a k step is NR floats, 96 B on AVX2) */
+/* Software prefetch PF_BYTES ahead in a panel. 8 KiB: the tall tile consumes a panel at 64 B per
+ * 8-12 cycles, and 4 KiB ahead was too close to hide the memory latency (128 tokens, V3 shapes:
+ * 8 KiB 1.11x of 4 KiB at 1 thread, 1.05x at 2; 16 KiB the same as 8) */
 #ifndef PF_BYTES
-#define PF_BYTES 4096
+#define PF_BYTES 8192
 #endif
-#define PREFETCH_AT(p, off) (__builtin_prefetch((const char *)(p) + (off)), __builtin_prefetch((const char *)(p) + (off) + 64))
 
 /* Where a row tile's prefetches point: PF_BYTES ahead in its panel, except in the last row tile of a
  * group that has several (the panel block is in L1 by then and no later tile needs it): there they
@@ -108,11 +134,11 @@ static inline int64_t pf_offset(int64_t n, int64_t r0, int64_t next_bytes) {
     return moe_prefetch_next && n > MR && r0 + MR >= n ? next_bytes : PF_BYTES;
 }
 
-/* How threads share the (expert, panel) items and a linear's panels: dynamically (default; each
- * thread takes the next item when done) or in equal static blocks. The items' work is uneven (an
- * expert's row count) and on a shared machine a thread may be descheduled, so a static split leaves
- * the other thread waiting at the barrier; benchmarks/moe_kernels.py measures both side by side
- * (di_moe_set_dynamic). Which thread runs an item never changes its bits. */
+/* How threads share the expert kernel's items and a linear's panels: dynamically (default; each
+ * thread takes the next run of items when done) or in equal static blocks. The items' work is uneven
+ * (an expert's row count) and on a shared machine a thread may be descheduled, so a static split
+ * leaves the other thread waiting at the barrier; benchmarks/moe_kernels.py measures both side by
+ * side (di_moe_set_dynamic). Which thread runs an item never changes its bits. */
 MOE_SWITCH(di_moe_dynamic_on, di_moe_set_dynamic)
 #define moe_dynamic di_moe_dynamic_on
 #ifdef _OPENMP
@@ -126,6 +152,25 @@ MOE_SWITCH(di_moe_dynamic_on, di_moe_set_dynamic)
 #define SCHEDULE_BEGIN
 #define SCHEDULE_END
 #endif
+
+/* A tall group's items are runs of consecutive panels (about RUN_BYTES of weights, at least
+ * RUNS_PER_THREAD runs a thread over all tall groups), so each thread reads a sequential stream.
+ * With one panel an item (a down item is 16 KiB at I = 256) the two threads' items interleaved in
+ * memory: at 128 tokens, V3 shapes, 2 threads, one at a time ran at 0.85x of 1 MiB runs (256 vs 300
+ * GFLOP/s); 256 KiB 0.90x, 4 MiB 1.02x. (A wide group's items stay one 3-panel chunk each: they are
+ * compute-bound, and runs of them left one thread with up to a run more work at the barrier; OpenMP
+ * chunks of ~1 MiB over all items instead: 282 vs 295 GFLOP/s at 128 tokens, dense 0.95x vs 0.97x.) */
+#ifndef RUNS_PER_THREAD
+#define RUNS_PER_THREAD 4
+#endif
+#ifndef RUN_BYTES
+#define RUN_BYTES (1 << 20)
+#endif
+static inline int64_t run_panels(int64_t panels, int64_t panel_bytes, int nthreads) {
+    int64_t c = RUN_BYTES / panel_bytes;
+    if (c > panels / (RUNS_PER_THREAD * nthreads)) c = panels / (RUNS_PER_THREAD * nthreads);
+    return c > 1 ? c : 1;
+}
 
 static inline vf ldv(const float *p) { return *(const vfu *)p; }
 static inline void stv(float *p, vf x) { *(vfu *)p = x; }
@@ -181,106 +226,135 @@ static inline vf expv(vf x) {
 
 static inline vf silu(vf g) { return g / (1.f + expv(-g)); }
 
-/* acc[r][c] = rows[r] . panel columns (all k, in order) */
-static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *const *rows,
-                                                             const wt_t *w, int64_t K, vf acc[MR][3], int64_t pf) {
-    for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < 3; ++c) acc[r][c] = splat(0.f);
-    for (int64_t k = 0; k < K; ++k) {
-        const wt_t *wk = w + k * NR;
-        PREFETCH_AT(wk, pf);
-        vf w0 = ldw(wk), w1 = ldw(wk + VW), w2 = ldw(wk + 2 * VW);
-        IN_REGISTERS(w0, w1, w2);
-        for (int r = 0; r < mr; ++r) {
-            const vf xb = splat(rows[r][k]);
-            acc[r][0] += xb * w0;
-            acc[r][1] += xb * w1;
-            acc[r][2] += xb * w2;
-        }
-    }
-}
-
-/* One k block of panel_tile: buf[r] (NR floats a row) += rows[r][k0 + k] * w[k] for k = 0 .. kc-1 in
- * order, starting from 0 when first. A partial sum leaves and re-enters registers exactly, so an
- * element's chain over k (and its bits) is the one panel_tile computes over the whole K. */
-static inline __attribute__((always_inline)) void panel_block(const int mr, const float *const *rows, int64_t k0,
-                                                              const wt_t *w, int64_t kc, float *buf, int first,
-                                                              int64_t pf) {
+/* Wide tile, one k block: mr <= MR rows x nv <= 3 vectors, vector c from its own panel (ps weights
+ * after vector c - 1's; w: the first panel's row k0). buf[r] (NR floats a row) += rows[r][k0 + k] *
+ * w[k] for k = 0 .. kc-1 in order, starting from 0 when first. A partial sum leaves and re-enters
+ * registers exactly, so an element's chain over k (and its bits) is the one a whole-K pass computes,
+ * and the one the tall tile computes. */
+static inline __attribute__((always_inline)) void wide_block(const int mr, const int nv, const float *const *rows,
+                                                             int64_t k0, const wt_t *w, int64_t ps, int64_t kc,
+                                                             float *buf, int first, int64_t pf) {
     vf acc[MR][3];
     for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < 3; ++c) acc[r][c] = first ? splat(0.f) : ldv(buf + r * NR + c * VW);
+        for (int c = 0; c < nv; ++c) acc[r][c] = first ? splat(0.f) : ldv(buf + r * NR + c * VW);
     for (int64_t k = 0; k < kc; ++k) {
-        const wt_t *wk = w + k * NR;
-        PREFETCH_AT(wk, pf);
-        vf w0 = ldw(wk), w1 = ldw(wk + VW), w2 = ldw(wk + 2 * VW);
+        const wt_t *wk = w + k * VW;
+        for (int c = 0; c < nv; ++c) __builtin_prefetch((const char *)(wk + c * ps) + pf);
+        vf w0 = ldw(wk), w1 = nv > 1 ? ldw(wk + ps) : w0, w2 = nv > 2 ? ldw(wk + 2 * ps) : w0;
         IN_REGISTERS(w0, w1, w2);
         for (int r = 0; r < mr; ++r) {
             const vf xb = splat(rows[r][k0 + k]);
             acc[r][0] += xb * w0;
-            acc[r][1] += xb * w1;
-            acc[r][2] += xb * w2;
+            if (nv > 1) acc[r][1] += xb * w1;
+            if (nv > 2) acc[r][2] += xb * w2;
         }
     }
     for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < 3; ++c) stv(buf + r * NR + c * VW, acc[r][c]);
+        for (int c = 0; c < nv; ++c) stv(buf + r * NR + c * VW, acc[r][c]);
 }
 
-static inline __attribute__((always_inline)) void store_row(float *y, vf a[3], int64_t ncols) {
-    if (ncols == NR) {
-        for (int c = 0; c < 3; ++c) stv(y + VW * c, a[c]);
-    } else {
-        float tmp[NR];
-        for (int c = 0; c < 3; ++c) stv(tmp + VW * c, a[c]);
-        memcpy(y, tmp, sizeof(float) * (size_t)ncols);
-    }
-}
-
-/* both panels' k block for one tile of mr rows (a constant in each case, so the tile is unrolled) */
-static inline void pair_block(const int mr, const float *const *rows, int64_t k0, const wt_t *wg, const wt_t *wu,
-                              int64_t kc, float *g, float *u, int64_t pf) {
+/* wide_block for an mr (1 .. MR) and nv (1 .. 3) known only at run time: each pair its own unrolled copy */
+static void wide_block_any(int mr, int nv, const float *const *rows, int64_t k0, const wt_t *w, int64_t ps,
+                           int64_t kc, float *buf, int first, int64_t pf) {
+#define WB(m, v) wide_block(m, v, rows, k0, w, ps, kc, buf, first, pf)
+#define WB_NV(m) if (nv == 3) WB(m, 3); else if (nv == 2) WB(m, 2); else WB(m, 1); break;
     switch (mr) {
-#define PAIR(m) case m: panel_block(m, rows, k0, wg, kc, g, k0 == 0, pf); panel_block(m, rows, k0, wu, kc, u, k0 == 0, pf); break;
 #if MR == 8
-    PAIR(8) PAIR(7) PAIR(6) PAIR(5)
+    case 8: WB_NV(8) case 7: WB_NV(7) case 6: WB_NV(6) case 5: WB_NV(5)
 #endif
-    PAIR(4) PAIR(3) PAIR(2)
-    default: panel_block(1, rows, k0, wg, kc, g, k0 == 0, pf); panel_block(1, rows, k0, wu, kc, u, k0 == 0, pf); break;
-#undef PAIR
+    case 4: WB_NV(4) case 3: WB_NV(3) case 2: WB_NV(2)
+    default: WB_NV(1)
     }
+#undef WB_NV
+#undef WB
 }
 
-/* Gate/up panel pair p of one expert over its n rows (rows[i]: row i's x), k-blocked: every row tile
- * takes a KC block of both panels (2 * KC * NR floats = 24 KiB, inside L1d) before the next block, so
- * a panel comes from memory once and from L1 for the group's other tiles, where the whole-K loop
- * (2 x 96 KiB panels at H = 1024) re-read it from L2 per tile. Partial sums wait in bg / bu (n x NR
- * each); then h = silu(gate) * up. */
-static void gated_group(const float *const *rows, int64_t n, const wt_t *wg, const wt_t *wu, int64_t K,
-                        float *bg, float *bu, float *h, int64_t ldh, int64_t ncols) {
+/* Gate/up chunk (nv <= 3 panel pairs: gate panel j at wg + j * ps, its up panel H * VW after it) of one
+ * group of n rows (rows[i]: row i's x) on the wide tile, k-blocked: every row tile takes a KC block of
+ * the chunk (2 * KC * NR weights, 24 KiB in fp32, inside L1d) before the next block, so a block comes
+ * from memory once and from L1 for the group's other tiles. Partial sums wait in bg / bu (n x NR
+ * each); then h = silu(gate) * up, rows ldh apart. */
+static void gated_wide(const float *const *rows, int64_t n, int nv, const wt_t *wg, int64_t ps, int64_t K,
+                       float *bg, float *bu, float *h, int64_t ldh, int64_t ncols) {
+    const wt_t *wu = wg + K * VW;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int64_t r0 = 0; r0 < n; r0 += MR) {
             const int mr = n - r0 < MR ? (int)(n - r0) : MR;
-            pair_block(mr, rows + r0, k0, wg + k0 * NR, wu + k0 * NR, kc, bg + r0 * NR, bu + r0 * NR,
-                       pf_offset(n, r0, (int64_t)sizeof(wt_t) * KC * NR));
+            const int64_t pf = pf_offset(n, r0, (int64_t)sizeof(wt_t) * KC * VW);
+            wide_block_any(mr, nv, rows + r0, k0, wg + k0 * VW, ps, kc, bg + r0 * NR, k0 == 0, pf);
+            wide_block_any(mr, nv, rows + r0, k0, wu + k0 * VW, ps, kc, bu + r0 * NR, k0 == 0, pf);
         }
     }
     for (int64_t r = 0; r < n; ++r) {
-        vf a[3];
-        for (int c = 0; c < 3; ++c) a[c] = silu(ldv(bg + r * NR + c * VW)) * ldv(bu + r * NR + c * VW);
-        store_row(h + r * ldh, a, ncols);
+        float a[NR];
+        for (int c = 0; c < nv; ++c) stv(a + c * VW, silu(ldv(bg + r * NR + c * VW)) * ldv(bu + r * NR + c * VW));
+        memcpy(h + r * ldh, a, sizeof(float) * (size_t)ncols);
     }
 }
 
-static inline __attribute__((always_inline)) void down_tile(const int mr, const float *const *rows,
-                                                            const wt_t *w, int64_t K, float *const *out,
-                                                            int64_t ncols, int64_t pf) {
-    vf a[MR][3];
-    panel_tile(mr, rows, w, K, a, pf);
-    for (int r = 0; r < mr; ++r) store_row(out[r], a[r], ncols);
+/* Tall tile: m <= MT rows x one vector of VW columns. xt: the rows transposed, x[r][k] at
+ * xt[k * ldt + r] (one pointer, constant offsets: the broadcasts fold into the FMAs); w: a panel
+ * [K][VW]. acc[r] = row r . panel columns, one multiply-add chain over k in order. */
+static inline __attribute__((always_inline)) void tall_tile(const int m, const float *xt, int64_t ldt, const wt_t *w,
+                                                            int64_t K, vf acc[MT]) {
+#pragma GCC unroll 32
+    for (int r = 0; r < m; ++r) acc[r] = splat(0.f);
+    for (int64_t k = 0; k < K; ++k) {
+        __builtin_prefetch((const char *)(w + k * VW) + PF_BYTES);
+        const vf wk = ldw(w + k * VW);
+        const float *xk = xt + k * ldt;
+#pragma GCC unroll 32
+        for (int r = 0; r < m; ++r) acc[r] += splat(xk[r]) * wk;
+    }
+}
+
+/* Gate/up panel pair of one row tile: h (transposed, h[r][c] at ht[c * ldt + r]) = silu(gate) * up */
+static inline __attribute__((always_inline)) void gated_tile(const int m, const float *xt, int64_t ldt, const wt_t *wg,
+                                                             const wt_t *wu, int64_t K, float *ht, int64_t ncols) {
+    vf acc[MT];
+    float g[MT][VW];
+    tall_tile(m, xt, ldt, wg, K, acc);
+    for (int r = 0; r < m; ++r) stv(g[r], acc[r]);
+    tall_tile(m, xt, ldt, wu, K, acc);
+    for (int r = 0; r < m; ++r) {
+        float a[VW];
+        stv(a, silu(ldv(g[r])) * acc[r]);
+        for (int64_t c = 0; c < ncols; ++c) ht[c * ldt + r] = a[c];
+    }
+}
+
+static inline __attribute__((always_inline)) void down_tile(const int m, const float *ht, int64_t ldt, const wt_t *w,
+                                                            int64_t K, float *const *out, int64_t ncols) {
+    vf acc[MT];
+    tall_tile(m, ht, ldt, w, K, acc);
+    for (int r = 0; r < m; ++r) {
+        if (ncols == VW) {
+            stv(out[r], acc[r]);
+        } else {
+            float a[VW];
+            stv(a, acc[r]);
+            memcpy(out[r], a, sizeof(float) * (size_t)ncols);
+        }
+    }
+}
+
+#if MT == 24
+#define TILE_CASES(X) X(24) X(23) X(22) X(21) X(20) X(19) X(18) X(17) X(16) X(15) X(14) X(13) \
+                      X(12) X(11) X(10) X(9) X(8) X(7) X(6) X(5) X(4) X(3) X(2)
+#else
+#define TILE_CASES(X) X(12) X(11) X(10) X(9) X(8) X(7) X(6) X(5) X(4) X(3) X(2)
+#endif
+
+/* n things (rows, panels) in ceil(n / most) parts of near-equal size: part i starts at *start */
+static inline int split_even(int64_t n, int64_t most, int64_t i, int64_t *start) {
+    const int64_t parts = (n + most - 1) / most, base = n / parts, extra = n % parts;
+    *start = i * base + (i < extra ? i : extra);
+    return (int)(base + (i < extra));
 }
 
 #ifndef MOE_BF16
-int di_moe_nr(void) { return NR; }
+int di_moe_nr(void) { return VW; }
 #endif
 
 /* out[t, :] = sum over slots j = 0 .. k-1, in that order, of wts[t, j] * y[t * k + j, :], then
@@ -347,37 +421,62 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
     group_start[G] = R;
     for (int64_t i = 0; i < R; ++i) pair[count[idx[i]]++] = i;
 
-    /* threads take the groups' items largest group first (a stable insertion sort by row count): a
-     * shared expert's group holds every token, and taken last it left one thread finishing it alone */
+    /* A group of up to TALL_MAX rows runs on the tall tile, one panel (VW columns) an item: each weight
+     * is read once, from memory, by one pass of FMAs (with the 8 x 48 tile, k-blocked, a panel block
+     * came from memory for the first row tile and from L1 for the second, so the stream stalled while
+     * the second computed). Its rows are copied transposed first ([H][m] a tile, at xt + (start of the
+     * tile) * H), and its h rows stay that way ([I][m] a tile) for the down GEMM. A larger group (a
+     * dense layer's or a shared expert's rows at prefill) runs on the wide tile, 3 panels an item: the
+     * tall tile re-reads all its rows per 16 columns, from L3 once they outgrow L2. */
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(G ? G : 1));
-    if (!order) {
-        free(count); free(pair); free(group_start); free(group_expert);
+    int64_t *chunk0 = malloc(sizeof(int64_t) * (size_t)(G + 1));
+    if (!order || !chunk0) {
+        free(count); free(pair); free(group_start); free(group_expert); free(order); free(chunk0);
         return -2;
     }
+    /* threads take the groups' items largest group first (a stable insertion sort by row count): a
+     * shared expert's group holds every token, and taken last it left one thread finishing it alone */
     for (int64_t g = 0; g < G; ++g) {
         const int64_t n = group_start[g + 1] - group_start[g];
         int64_t i = g;
         for (; i > 0 && group_start[order[i - 1] + 1] - group_start[order[i - 1]] < n; --i) order[i] = order[i - 1];
         order[i] = g;
     }
-    int64_t max_n = 0;
-    for (int64_t g = 0; g < G; ++g)
-        if (group_start[g + 1] - group_start[g] > max_n) max_n = group_start[g + 1] - group_start[g];
-    /* per thread: a group's row pointers and its gate / up partial sums (max_n x NR floats each) */
+    const int64_t Pi = (I + VW - 1) / VW, Ph = (H + VW - 1) / VW;
+    const int64_t gu_stride = 2 * Pi * H * VW, down_stride = Ph * I * VW;
+    int64_t max_wide = 0;
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t n = group_start[g + 1] - group_start[g];
+        if (n > TALL_MAX && n > max_wide) max_wide = n;
+    }
 #ifdef _OPENMP
     const int nthreads = omp_get_max_threads();
 #else
     const int nthreads = 1;
 #endif
-    const size_t ptr_bytes = (sizeof(float *) * (size_t)max_n + 63) / 64 * 64;
-    const size_t per_thread = ptr_bytes + sizeof(float) * 2 * NR * (size_t)max_n;  /* (NR floats: 96 or 192 B) */
-    char *scratch = aligned_alloc(64, per_thread * (size_t)nthreads);
-    if (!scratch) {
-        free(count); free(pair); free(group_start); free(group_expert); free(order);
+    /* per thread, for the wide groups: a group's row pointers and its gate / up partial sums */
+    const size_t ptr_bytes = (sizeof(float *) * (size_t)max_wide + 63) / 64 * 64;
+    const size_t per_thread = ptr_bytes + sizeof(float) * 2 * NR * (size_t)max_wide;
+    float *xt = aligned_alloc(64, (sizeof(float) * (size_t)(R * H) + 63) / 64 * 64);
+    char *scratch = per_thread ? aligned_alloc(64, per_thread * (size_t)nthreads) : NULL;
+    int64_t *down0 = malloc(sizeof(int64_t) * (size_t)(G + 1));
+    if (!xt || (per_thread && !scratch) || !down0) {
+        free(count); free(pair); free(group_start); free(group_expert); free(order); free(chunk0);
+        free(xt); free(scratch); free(down0);
         return -2;
     }
-    const int64_t Pi = (I + NR - 1) / NR, Ph = (H + NR - 1) / NR;
-    const int64_t gu_stride = 2 * Pi * H * NR, down_stride = Ph * I * NR;
+    /* items, in `order`: a tall group's runs of run_gu gate/up panel pairs (run_dn down panels), a wide
+     * group's 3-panel chunks; chunk0[i] / down0[i] = the first gate/up / down item of the i-th group */
+    int64_t tall = 0;
+    for (int64_t g = 0; g < G; ++g) tall += group_start[g + 1] - group_start[g] <= TALL_MAX;
+    const int64_t run_gu = run_panels(tall * Pi, (int64_t)sizeof(wt_t) * 2 * H * VW, nthreads);
+    const int64_t run_dn = run_panels(tall * Ph, (int64_t)sizeof(wt_t) * I * VW, nthreads);
+    chunk0[0] = down0[0] = 0;
+    for (int64_t i = 0; i < G; ++i) {
+        const int wide = group_start[order[i] + 1] - group_start[order[i]] > TALL_MAX;
+        chunk0[i + 1] = chunk0[i] + (wide ? (Pi + 2) / 3 : (Pi + run_gu - 1) / run_gu);
+        down0[i + 1] = down0[i] + (wide ? (Ph + 2) / 3 : (Ph + run_dn - 1) / run_dn);
+    }
     SCHEDULE_BEGIN
 #pragma omp parallel if (R * H * I >= 65536)
     {
@@ -389,45 +488,95 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         const float **rows = (const float **)(scratch + (size_t)tid * per_thread);
         float *bg = (float *)(scratch + (size_t)tid * per_thread + ptr_bytes);
 #pragma omp for schedule(runtime)
-        for (int64_t item = 0; item < G * Pi; ++item) {
-            const int64_t g = order[item / Pi], p = item % Pi;
-            const int64_t ex = group_expert[g];
-            const wt_t *wg = (ex < E ? gu + ex * gu_stride : xgu + (ex - E) * gu_stride) + 2 * p * H * NR;
-            const wt_t *wu = wg + H * NR;
-            const int64_t ncols = I - p * NR < NR ? I - p * NR : NR;
+        for (int64_t g = 0; g < G; ++g) {
             const int64_t r0 = group_start[g], n = group_start[g + 1] - r0;
-            for (int64_t r = 0; r < n; ++r) rows[r] = x + (pair[r0 + r] / k) * ldx;
-            gated_group(rows, n, wg, wu, H, bg, bg + n * NR, h + r0 * I + p * NR, I, ncols);
+            for (int64_t i = 0; n <= TALL_MAX && i * MT < n; ++i) {
+                int64_t t0;
+                const int m = split_even(n, MT, i, &t0);
+                float *xg = xt + (r0 + t0) * H;
+                for (int r = 0; r < m; ++r) {
+                    const float *row = x + (pair[r0 + t0 + r] / k) * ldx;
+                    for (int64_t c = 0; c < H; ++c) xg[c * m + r] = row[c];
+                }
+            }
+        }
+#pragma omp for schedule(runtime)
+        for (int64_t item = 0; item < chunk0[G]; ++item) {
+            int64_t i = 0;
+            while (chunk0[i + 1] <= item) ++i;  /* (G is at most the expert count) */
+            const int64_t g = order[i], q = item - chunk0[i];
+            const int64_t ex = group_expert[g];
+            const wt_t *wgu = ex < E ? gu + ex * gu_stride : xgu + (ex - E) * gu_stride;
+            const int64_t r0 = group_start[g], n = group_start[g + 1] - r0;
+            if (n > TALL_MAX) {
+                int64_t p;
+                const int nv = split_even(Pi, 3, q, &p);
+                const int64_t ncols = I - p * VW < nv * VW ? I - p * VW : nv * VW;
+                for (int64_t r = 0; r < n; ++r) rows[r] = x + (pair[r0 + r] / k) * ldx;
+                gated_wide(rows, n, nv, wgu + 2 * p * H * VW, 2 * H * VW, H, bg, bg + n * NR,
+                           h + r0 * I + p * VW, I, ncols);
+                continue;
+            }
+            for (int64_t p = q * run_gu; p < Pi && p < (q + 1) * run_gu; ++p) {
+                const wt_t *wg = wgu + 2 * p * H * VW, *wu = wg + H * VW;
+                const int64_t ncols = I - p * VW < VW ? I - p * VW : VW;
+                for (int64_t j = 0; j * MT < n; ++j) {
+                    int64_t t0;
+                    const int m = split_even(n, MT, j, &t0);
+                    const float *xg = xt + (r0 + t0) * H;
+                    float *hg = h + (r0 + t0) * I + p * VW * m;
+                    switch (m) {
+#define GATED(mm) case mm: gated_tile(mm, xg, mm, wg, wu, H, hg, ncols); break;
+                    TILE_CASES(GATED)
+#undef GATED
+                    default: gated_tile(1, xg, 1, wg, wu, H, hg, ncols); break;
+                    }
+                }
+            }
         }
         /* (the implicit barrier of the loop above: every h row is complete here) */
 #pragma omp for schedule(runtime)
-        for (int64_t item = 0; item < G * Ph; ++item) {
-            const int64_t g = order[item / Ph], p = item % Ph;
+        for (int64_t item = 0; item < down0[G]; ++item) {
+            int64_t i = 0;
+            while (down0[i + 1] <= item) ++i;
+            const int64_t g = order[i], q = item - down0[i];
             const int64_t ex = group_expert[g];
-            const wt_t *w = (ex < E ? down + ex * down_stride : xdown + (ex - E) * down_stride) + p * I * NR;
-            const int64_t ncols = H - p * NR < NR ? H - p * NR : NR;
-            for (int64_t r0 = group_start[g]; r0 < group_start[g + 1]; r0 += MR) {
-                const int64_t left = group_start[g + 1] - r0;
-                const int mr = left < MR ? (int)left : MR;
-                const int64_t pf = pf_offset(group_start[g + 1] - group_start[g], r0 - group_start[g],
-                                             (int64_t)sizeof(wt_t) * I * NR);  /* the next panel */
-                const float *hrows[MR];
-                float *orows[MR];
-                for (int r = 0; r < mr; ++r) {
-                    hrows[r] = h + (r0 + r) * I;
-                    orows[r] = y + pair[r0 + r] * ldy + p * NR;
+            const wt_t *wd = ex < E ? down + ex * down_stride : xdown + (ex - E) * down_stride;
+            const int64_t r0 = group_start[g], n = group_start[g + 1] - r0;
+            if (n > TALL_MAX) {
+                int64_t p;
+                const int nv = split_even(Ph, 3, q, &p);
+                const int64_t ncols = H - p * VW < nv * VW ? H - p * VW : nv * VW;
+                for (int64_t t = 0; t < n; t += MR) {
+                    const int mr = n - t < MR ? (int)(n - t) : MR;
+                    const float *hrows[MR];
+                    float *orows[MR];
+                    for (int r = 0; r < mr; ++r) {
+                        hrows[r] = h + (r0 + t + r) * I;
+                        orows[r] = y + pair[r0 + t + r] * ldy + p * VW;
+                    }
+                    float buf[MR * NR];
+                    wide_block_any(mr, nv, hrows, 0, wd + p * I * VW, I * VW, I, buf, 1,
+                                   pf_offset(n, t, (int64_t)sizeof(wt_t) * I * VW * nv));  /* the next chunk */
+                    for (int r = 0; r < mr; ++r) memcpy(orows[r], buf + r * NR, sizeof(float) * (size_t)ncols);
                 }
-                switch (mr) {
-#if MR == 8
-                case 8: down_tile(8, hrows, w, I, orows, ncols, pf); break;
-                case 7: down_tile(7, hrows, w, I, orows, ncols, pf); break;
-                case 6: down_tile(6, hrows, w, I, orows, ncols, pf); break;
-                case 5: down_tile(5, hrows, w, I, orows, ncols, pf); break;
-#endif
-                case 4: down_tile(4, hrows, w, I, orows, ncols, pf); break;
-                case 3: down_tile(3, hrows, w, I, orows, ncols, pf); break;
-                case 2: down_tile(2, hrows, w, I, orows, ncols, pf); break;
-                default: down_tile(1, hrows, w, I, orows, ncols, pf); break;
+                continue;
+            }
+            for (int64_t p = q * run_dn; p < Ph && p < (q + 1) * run_dn; ++p) {
+                const wt_t *w = wd + p * I * VW;
+                const int64_t ncols = H - p * VW < VW ? H - p * VW : VW;
+                for (int64_t j = 0; j * MT < n; ++j) {
+                    int64_t t0;
+                    const int m = split_even(n, MT, j, &t0);
+                    float *orows[MT];
+                    for (int r = 0; r < m; ++r) orows[r] = y + pair[r0 + t0 + r] * ldy + p * VW;
+                    const float *hg = h + (r0 + t0) * I;
+                    switch (m) {
+#define DOWN(mm) case mm: down_tile(mm, hg, mm, w, I, orows, ncols); break;
+                    TILE_CASES(DOWN)
+#undef DOWN
+                    default: down_tile(1, hg, 1, w, I, orows, ncols); break;
+                    }
                 }
             }
         }
@@ -438,7 +587,8 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         }
     }
     SCHEDULE_END
-    free(count); free(pair); free(group_start); free(group_expert); free(order); free(scratch);
+    free(count); free(pair); free(group_start); free(group_expert); free(order); free(chunk0); free(down0);
+    free(xt); free(scratch);
     return 0;
 }
 
@@ -446,9 +596,10 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
 /* ---- a plain projection on the same register tile: y = x @ W.T -------------------------------------
  * For the MoE models' other projections on AVX2 CPUs (MLA's q/kv down and up projections, o_proj, the
  * router), which otherwise run on oneDNN there: the shared 8 x 48 panel GEMM (gemm.c) spills on 16
- * ymm registers. W [N, K] packed once as ceil(N / NR) panels [K][NR] (zero-padded past N); threads
- * split the panels; each panel is k-blocked like gated_group (a 2 * KC k-step block, 24 KiB, stays
- * in L1 while every row tile of x uses it; the partial sums wait in a per-thread M x NR buffer).
+ * ymm registers. W [N, K] packed once as ceil(N / VW) panels [K][VW] (zero-padded past N), like the
+ * experts; the wide tile (chunks of up to 3 panels, split evenly); threads split the chunks; each is
+ * k-blocked like gated_wide (a 2 * KC k-step block, 24 KiB, stays in L1 while every row tile of x
+ * uses it; the partial sums wait in a per-thread M x NR buffer).
  * Every output element is one multiply-add chain over k = 0 .. K-1 in order whatever M and the tile
  * its row lands in (batch-invariant for every M, one row included). */
 #define KCL (2 * KC)
@@ -456,7 +607,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
 int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, int64_t K, int64_t N,
                         float *y, int64_t ldy) {
     if (M == 0 || N == 0) return 0;
-    const int64_t P = (N + NR - 1) / NR;
+    const int64_t Pv = (N + VW - 1) / VW, P = (Pv + 2) / 3;  /* VW-column panels; 3 of them a chunk */
 #ifdef _OPENMP
     const int nthreads = omp_get_max_threads();
 #else
@@ -481,31 +632,19 @@ int di_panel_linear_f32(const float *x, int64_t ldx, int64_t M, const float *w, 
         float *buf = (float *)((char *)bufs + (size_t)tid * buf_bytes);
 #pragma omp for schedule(runtime)
         for (int64_t p = 0; p < P; ++p) {
-            const float *wp = w + p * K * NR;
-            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+            int64_t p0;
+            const int nv = split_even(Pv, 3, p, &p0);
+            const float *wp = w + p0 * K * VW;
+            const int64_t ncols = N - p0 * VW < nv * VW ? N - p0 * VW : nv * VW;
             for (int64_t k0 = 0; k0 < K; k0 += KCL) {
                 const int64_t kc = K - k0 < KCL ? K - k0 : KCL;
                 for (int64_t r0 = 0; r0 < M; r0 += MR) {
                     const int mr = M - r0 < MR ? (int)(M - r0) : MR;
-                    const int64_t pf = pf_offset(M, r0, (int64_t)sizeof(float) * KCL * NR);
-                    const float *const *rr = rows + r0;
-                    float *b = buf + r0 * NR;
-                    switch (mr) {
-#define LBLOCK(m) case m: panel_block(m, rr, k0, wp + k0 * NR, kc, b, k0 == 0, pf); break;
-#if MR == 8
-                    LBLOCK(8) LBLOCK(7) LBLOCK(6) LBLOCK(5)
-#endif
-                    LBLOCK(4) LBLOCK(3) LBLOCK(2)
-                    default: panel_block(1, rr, k0, wp + k0 * NR, kc, b, k0 == 0, pf); break;
-#undef LBLOCK
-                    }
+                    wide_block_any(mr, nv, rows + r0, k0, wp + k0 * VW, K * VW, kc, buf + r0 * NR, k0 == 0,
+                                   pf_offset(M, r0, (int64_t)sizeof(float) * KCL * VW));
                 }
             }
-            for (int64_t r = 0; r < M; ++r) {
-                vf a[3];
-                for (int c = 0; c < 3; ++c) a[c] = ldv(buf + r * NR + c * VW);
-                store_row(y + r * ldy + p * NR, a, ncols);
-            }
+            for (int64_t r = 0; r < M; ++r) memcpy(y + r * ldy + p0 * VW, buf + r * NR, sizeof(float) * (size_t)ncols);
         }
     }
     SCHEDULE_END

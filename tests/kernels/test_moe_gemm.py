@@ -22,7 +22,7 @@ def _routing(T, E, k, seed=0):
     return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
 
 
-# sizes off the panel width (24 / 48) and the row tile (4 / 8), an expert with one row, all rows on one expert
+# sizes off the panel width (8 / 16) and the row tiles, an expert with one row, all rows on one expert
 @pytest.mark.parametrize("E,H,I,T,k", [(8, 200, 70, 13, 3), (4, 48, 24, 1, 2), (6, 97, 131, 40, 2),
                                        (32, 256, 64, 33, 4), (3, 64, 32, 9, 1)])
 def test_matches_reference(E, H, I, T, k):
@@ -103,20 +103,60 @@ def test_bad_inputs_are_named():
         moe_gemm.pack_experts(gu[0], down)
 
 
-# the gate/up GEMM runs in k blocks of 3072 / panel_width() (128 on AVX2, 64 with AVX-512), each row
-# tile's partial sums parked between blocks: hidden sizes just under, at and past a block boundary
-@pytest.mark.parametrize("blocks", [0.5, 1, 1.01, 2.3])
-def test_k_blocks_keep_a_rows_bits_and_the_reference(blocks):
+# an expert with more rows than the tall tile takes (TALL_MAX = 32) runs on the wide tile, its gate/up
+# GEMM in k blocks of 64 (AVX-512; 128 on AVX2) with each row tile's partial sums parked between
+# blocks: hidden sizes just under, at and past a block boundary
+@pytest.mark.parametrize("H", [32, 64, 65, 147, 300])
+def test_k_blocks_keep_a_rows_bits_and_the_reference(H):
     E, I = 3, 40
-    H = max(2, int(3072 // moe_gemm.panel_width() * blocks))
     gu, down = _experts(E, H, I, seed=11)
     packed = moe_gemm.pack_experts(gu, down)
-    x = torch.randn(23, H, generator=torch.Generator().manual_seed(12))
-    idx = torch.tensor([[0, 1]] * 21 + [[2, 1], [1, 0]])  # expert 2: one row; 0 and 1: 6 row tiles
+    x = torch.randn(43, H, generator=torch.Generator().manual_seed(12))
+    idx = torch.tensor([[0, 1]] * 41 + [[2, 1], [1, 0]])  # expert 2: one row; 0 and 1: 42 and 43 rows
     out = moe_gemm.moe_experts(x, idx, packed)
     torch.testing.assert_close(out, moe_gemm.moe_experts_reference(x, idx, gu, down), atol=5e-5, rtol=1e-4)
-    for t in (0, 21, 22):
+    for t in (0, 41, 42):
         assert torch.equal(moe_gemm.moe_experts(x[t : t + 1], idx[t : t + 1], packed)[0], out[t])
+
+
+# An expert's rows go to the tall tile (up to 24 rows a tile with AVX-512, 12 on AVX2, in tiles of
+# near-equal height) up to 32 rows, to the wide tile (8 x up to 3 panels, chunks split evenly) past
+# that: a token's row is the same bits whichever tile and tile height it lands in. Sizes off the panel
+# width (I = 40, H = 56: 2.5 and 3.5 panels of 16).
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 12, 13, 24, 25, 32, 33, 49, 100])
+def test_tall_and_wide_tiles_give_a_row_the_same_bits(n, weights):
+    E, H, I = 2, 56, 40
+    gu, down = _experts(E, H, I, seed=n)
+    packed = moe_gemm.pack_experts(gu, down, weights=weights)
+    x = torch.randn(n, H, generator=torch.Generator().manual_seed(n + 1))
+    idx = torch.tensor([[1, 0]] * n)  # every row on both experts: groups of n rows
+    out = moe_gemm.moe_experts(x, idx, packed)
+    rgu, rdown = (gu.bfloat16().float(), down.bfloat16().float()) if weights == torch.bfloat16 else (gu, down)
+    torch.testing.assert_close(out, moe_gemm.moe_experts_reference(x, idx, rgu, rdown), atol=5e-5, rtol=1e-4)
+    for t in (0, n // 2, n - 1):
+        assert torch.equal(moe_gemm.moe_experts(x[t : t + 1], idx[t : t + 1], packed)[0], out[t])
+
+
+def test_the_thread_schedule_never_changes_the_bits():
+    # dynamic runs of items (the default) and one static block a thread: the same bits
+    E, H, I, T, k = 8, 96, 64, 60, 2
+    gu, down = _experts(E, H, I, seed=21)
+    packed = moe_gemm.pack_experts(gu, down)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(22))
+    idx = _routing(T, E, k, seed=23)
+    idx[:40, 0] = 3  # one expert with 40+ rows (the wide tile) next to tall ones
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        dynamic = moe_gemm.moe_experts(x, idx, packed)
+        moe_gemm.set_dynamic_schedule(False)
+        static = moe_gemm.moe_experts(x, idx, packed)
+    finally:
+        moe_gemm.set_dynamic_schedule(True)
+        torch.set_num_threads(threads)
+    assert torch.equal(dynamic, static)
+    torch.testing.assert_close(dynamic, moe_gemm.moe_experts_reference(x, idx, gu, down), atol=5e-5, rtol=1e-4)
 
 
 # bf16 weights: the kernel widens each weight to fp32 exactly as it loads it, so its result is the fp32
