@@ -13,7 +13,9 @@ x @ W.T on them:
 
 Both have one fixed reduction order per output element, so a row's result does not depend on the
 batch. From PANEL_M rows on, the exact mode runs csrc/qgemm_panel.c (weights dequantised three rows
-at a time into L1, a 2 x 3 register tile sweeping the rows), bit-identical to the row kernel.
+at a time into L1, a 2 x 3 register tile sweeping the rows), bit-identical to the row kernel;
+`qlinear_int8_outer` is the int8 mode's many-row kernel (csrc/qgemm_i8_outer.c, AVX512_VNNI), also
+bit-identical to its row kernel.
 `pack` is this module's own encoder of the formats (tests; round-trip checked against
 `dequantize_reference`, a torch transcription of the formats' definitions).
 """
