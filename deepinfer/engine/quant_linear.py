@@ -68,11 +68,14 @@ MODES = (*quant.MODES, "bf16")
 BF16_M = 16
 # rows from which the int8 mode runs quant.qlinear_int8_outer (csrc/qgemm_i8_outer.c: vpdpbusd tiles,
 # the int8 row kernel's bits, so this threshold and the batch-invariant mode change no result) where
-# the CPU has AVX512_VNNI; without it the int8 mode keeps its earlier paths. At 16 rows, 1 thread, on
-# the 2-core AVX-512 Zen 5 host, ms (SmolLM2's Q4_1 gate_up 3072x576 / down 576x1536, the Q8_0 LM head):
-# 0.18 / 0.10 / 6.1 vs 0.30 / 0.15 / 7.6 for the bf16 kernel and 0.37 / 0.19 / 8.7 for the exact outer
-# kernel (the int8 row kernel: slower than the exact outer one from 16 rows). It starts where the row
-# kernels (and the native decode stack) stop, so must stay >= quant.PANEL_M.
+# the CPU has AVX512_VNNI; without it the int8 mode keeps its earlier paths. On the 2-core AVX-512 Zen 5
+# host (benchmarks/quant_outer_m.py, 2 threads, medians of 9, arms alternating, quiet window), ms for
+# SmolLM2's Q4_1 qkv / gate_up / down and the Q8_0 LM head at 16 rows: 0.038 / 0.101 / 0.059 / 3.19 vs
+# the int8 row kernel's 0.104 / 0.302 / 0.158 / 5.37, the exact outer kernel's 0.065 / 0.193 / 0.100 /
+# 4.76 and the bf16 kernel's 0.055 / 0.156 / 0.084 / 3.91; at 128 rows 0.164 / 0.524 / 0.263 / 10.3 vs
+# bf16 0.196 / 0.646 / 0.307 / 11.4 and exact outer 0.336 / 1.09 / 0.556 / 18.3. At 8 rows it beat the
+# row kernel on the layers (1.5-1.7x) but not on the LM head (0.81x); below 16 the row kernels (and the
+# native decode stack, whose calls stop at quant.PANEL_M rows) stay, so this must stay >= PANEL_M.
 INT8_OUTER_M = 16
 
 

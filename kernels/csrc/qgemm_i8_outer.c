@@ -3,9 +3,9 @@
  * instruction) does the work where the row kernel reads each weight block once per row of x.
  *
  * x is quantised per 32-block by the row kernel's own quantiser (di_q8_quantize_rows: the same qx,
- * scales s and s * sum q), then transposed once per call into dwords of 4 consecutive k, xT [K / 4][Mp]
- * (Mp = M rounded up to PR = 48, in panels of 48 rows), and its per-block values into [K / 32][Mp] columns. 16 weight rows at a
- * time are unpacked into bytes in element order with their block scales. A register tile of TJ weight
+ * scales s and s * sum q), then transposed once per call, in panels of 48 rows, into dwords of 4
+ * consecutive k (and its per-block values into columns). 16 weight rows at a time are unpacked into
+ * bytes in element order with their block scales. A register tile of TJ weight
  * rows by XV vectors of 16 rows of x sums each block's integer dot in int32 lanes (8 vpdpbusd, 4 k each),
  * then folds it into the fp32 accumulator.
  *
@@ -38,11 +38,12 @@
 /* xT bytes per pass over the weights, as qgemm_outer.c's (L2: 1 MB per core on the Zen 5 host) */
 #define XB_BYTES (640 << 10)
 
+#ifdef DI_HAVE_VNNI
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
 /* rows of x per panel: a tile's rows, whose xT is one contiguous stream. One [K / 4][Mp] array (rows
- * 2 KB apart at 512 rows) mapped a tile's reads onto a few L1 sets and ran at half this speed (gate_up
- * 3072 x 576, 512 rows, 1 thread: 6.1 ms, the bf16 kernel 5.3) */
+ * 2 KB apart at 512 rows) mapped a tile's reads onto a few L1 sets: gate_up 3072 x 576, 512 rows, 1
+ * thread, 6.1 ms, in panels 4.1 (the bf16 kernel 4.6-5.3) */
 #define PR (16 * XV)
 
 /* x's side, transposed in panels of PR rows (lanes are rows of x; panel P holds rows P * PR ..) */
@@ -101,7 +102,6 @@ AVX2 static void unpack_group(int fmt, const uint8_t *w, int64_t rb, int64_t n0,
     }
 }
 
-#ifdef DI_HAVE_VNNI
 #define I8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 /* y[r, j] for r < mr, j < nj: x rows r0 .. (lanes of xv vectors) against weight rows j0 .. j0 + tj of g */
