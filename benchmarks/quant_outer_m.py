@@ -3,11 +3,12 @@ deepinfer/engine/quant_linear.py), and the outer kernel's AVX-512 tile against i
 SmolLM2-135M shape and row count, the row kernel (exact, what QuantLinear runs below OUTER_M), the
 outer kernel, and the int8 row kernel, each at the CPU's level and capped to its AVX2 code
 (quant.set_level_cap(1)), the bf16 mode's kernel (quant.qlinear_bf16: bf16 products, AVX512_BF16; where
-to switch to it is BF16_M in quant_linear.py), and the fp32 engine's own GEMM (CpuLinear) on the same
+to switch to it is BF16_M in quant_linear.py), the int8 mode's outer kernel (quant.qlinear_int8_outer,
+vpdpbusd; where to switch to it is INT8_OUTER_M there), and the fp32 engine's own GEMM (CpuLinear) on the same
 weights. Arms alternate within each repetition; median ms.
 
     python benchmarks/quant_outer_m.py [--rows 1 2 4 8 12 16 32 128] [--reps 15] [--fmt Q4_1] [--lm-head-fmt Q8_0]
-        [--arms row outer bf16 fp32]
+        [--arms row outer i8 i8o bf16 fp32]
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch
 from deepinfer.engine.cpu_linear import CpuLinear
 from deepinfer_kernels import quant
 
-ARMS = ("row", "row2", "outer", "outer2", "i8", "i82", "bf16", "fp32")
+ARMS = ("row", "row2", "outer", "outer2", "i8", "i82", "i8o", "bf16", "fp32")
 # (a, b) printed as time(a) / time(b) where both arms run
 RATIOS = (("row", "outer"), ("row2", "row"), ("outer2", "outer"), ("i82", "i8"), ("fp32", "outer"),
-          ("row", "bf16"), ("outer", "bf16"), ("fp32", "bf16"))
+          ("row", "bf16"), ("outer", "bf16"), ("fp32", "bf16"),
+          ("i8", "i8o"), ("outer", "i8o"), ("bf16", "i8o"))
 SHAPES = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536),
           "lm_head 49152x576": (49152, 576)}
 
@@ -48,7 +50,7 @@ def main() -> None:
     level = quant.cpu_level()
     print(f"threads={torch.get_num_threads()} level={level} fmt={args.fmt} lm_head={args.lm_head_fmt}")
     print("ms, median; '2' = capped to the AVX2 code (quant.set_level_cap(1)); i8 = int8 row kernel; "
-          "bf16 = quant.qlinear_bf16; a/b: time of a over time of b")
+          "i8o = quant.qlinear_int8_outer (the int8 mode's outer kernel, VNNI); bf16 = quant.qlinear_bf16; a/b: time of a over time of b")
     pairs = [(a, b) for a, b in RATIOS if a in args.arms and b in args.arms]
     print(f"{'shape':>18} {'M':>4} " + " ".join(f"{a:>7}" for a in args.arms) + " " +
           " ".join(f"{a + '/' + b:>11}" for a, b in pairs))
@@ -74,8 +76,9 @@ def main() -> None:
             i8 = lambda: quant.qlinear(x, qw, mode="int8")  # noqa: E731
             outer = lambda: quant.qlinear_outer(x, qw)  # noqa: E731
             bf16 = lambda: quant.qlinear_bf16(x, qw)  # noqa: E731
+            i8o = lambda: quant.qlinear_int8_outer(x, qw)  # noqa: E731
             every = {"row": row, "row2": capped(row), "outer": outer, "outer2": capped(outer),
-                     "i8": i8, "i82": capped(i8), "bf16": bf16, "fp32": lambda: lin(x, w)}
+                     "i8": i8, "i82": capped(i8), "i8o": i8o, "bf16": bf16, "fp32": lambda: lin(x, w)}
             arms = {a: every[a] for a in args.arms}
             t = {a: [] for a in arms}
             for fn in arms.values():

@@ -13,7 +13,9 @@ x @ W.T on them:
 
 Both have one fixed reduction order per output element, so a row's result does not depend on the
 batch. From PANEL_M rows on, the exact mode runs csrc/qgemm_panel.c (weights dequantised three rows
-at a time into L1, a 2 x 3 register tile sweeping the rows), bit-identical to the row kernel.
+at a time into L1, a 2 x 3 register tile sweeping the rows), bit-identical to the row kernel;
+`qlinear_int8_outer` is the int8 mode's many-row kernel (csrc/qgemm_i8_outer.c, AVX512_VNNI), also
+bit-identical to its row kernel.
 `pack` is this module's own encoder of the formats (tests; round-trip checked against
 `dequantize_reference`, a torch transcription of the formats' definitions).
 """
@@ -62,6 +64,10 @@ def _configure(lib) -> None:
     lib.di_qgemm_outer.restype = i32
     lib.di_qgemm_outer_bf16.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
     lib.di_qgemm_outer_bf16.restype = i32
+    lib.di_qgemm_outer_i8.argtypes = [fp, i64, i64, fp, i64, i32, i64, i64, fp, i64]
+    lib.di_qgemm_outer_i8.restype = i32
+    lib.di_qgemm_outer_i8_ready.argtypes = [i32]
+    lib.di_qgemm_outer_i8_ready.restype = i32
 
 
 def _lib():
@@ -329,3 +335,26 @@ def qlinear_bf16(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
                                      w.k, out.data_ptr(), out.stride(0)):
         return qlinear_outer(x, w, bias)
     return _add_bias("qlinear_bf16", out, bias)
+
+
+# ---- many rows in the int8 mode (csrc/qgemm_i8_outer.c) ------------------------------------------------
+def int8_outer_ready(w: QuantWeight) -> bool:
+    """True where `qlinear_int8_outer` runs its own kernel for w's format on this CPU: AVX-512 with VNNI
+    (a build that has it), Q4_0 / Q4_1 / Q8_0, `set_level_cap` at 2 or more."""
+    return bool(_lib().di_qgemm_outer_i8_ready(w.fmt))
+
+
+def qlinear_int8_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T (+ bias) in the int8 mode as an outer product of vpdpbusd tiles
+    (csrc/qgemm_i8_outer.c): `qlinear(mode="int8")`'s result bit for bit (the same activation
+    quantisation, the same integer block sums and fp32 combination order), so a row's bits do not
+    depend on M or on which of the two ran it. Where `int8_outer_ready(w)` is False it runs that row
+    kernel."""
+    lib = _lib()
+    x = _check_x("qlinear_int8_outer", x, w.k)
+    m = x.shape[0]
+    out = torch.empty(m, w.n, dtype=torch.float32)
+    if m and lib.di_qgemm_outer_i8(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n,
+                                   w.k, out.data_ptr(), out.stride(0)):
+        return qlinear(x, w, bias, mode="int8")
+    return _add_bias("qlinear_int8_outer", out, bias)

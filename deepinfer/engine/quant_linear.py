@@ -19,6 +19,10 @@ panel kernel there (csrc/qgemm_panel.c: bit-identical to the row kernel, so a ro
 depend on M; its int8 rows stay int8). Without AVX2 many rows dequantise the matrix for the call
 and run oneDNN, as before.
 
+The int8 mode from INT8_OUTER_M rows, where the CPU has AVX512_VNNI, runs csrc/qgemm_i8_outer.c
+(`quant.qlinear_int8_outer`: vpdpbusd register tiles over x quantised once per call, bit-identical to
+the int8 row kernel), in both the default and the batch-invariant mode; elsewhere the paths above.
+
 The mode "bf16" is the exact mode but for calls of BF16_M rows or more (not batch-invariant mode): there
 x and the dequantised weights are rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps with fp32
 accumulation (csrc/qgemm_bf16.c, `quant.qlinear_bf16`: one fixed order per output, so a row still
@@ -62,6 +66,17 @@ MODES = (*quant.MODES, "bf16")
 # the native decode stack (exact row kernels, fewer than PANEL_M rows) stops, so a decode step's bits do
 # not depend on which path ran it. BF16_M must stay >= quant.PANEL_M for that.
 BF16_M = 16
+# rows from which the int8 mode runs quant.qlinear_int8_outer (csrc/qgemm_i8_outer.c: vpdpbusd tiles,
+# the int8 row kernel's bits, so this threshold and the batch-invariant mode change no result) where
+# the CPU has AVX512_VNNI; without it the int8 mode keeps its earlier paths. On the 2-core AVX-512 Zen 5
+# host (benchmarks/quant_outer_m.py, 2 threads, medians of 9, arms alternating, quiet window), ms for
+# SmolLM2's Q4_1 qkv / gate_up / down and the Q8_0 LM head at 16 rows: 0.038 / 0.101 / 0.059 / 3.19 vs
+# the int8 row kernel's 0.104 / 0.302 / 0.158 / 5.37, the exact outer kernel's 0.065 / 0.193 / 0.100 /
+# 4.76 and the bf16 kernel's 0.055 / 0.156 / 0.084 / 3.91; at 128 rows 0.164 / 0.524 / 0.263 / 10.3 vs
+# bf16 0.196 / 0.646 / 0.307 / 11.4 and exact outer 0.336 / 1.09 / 0.556 / 18.3. At 8 rows it beat the
+# row kernel on the layers (1.5-1.7x) but not on the LM head (0.81x); below 16 the row kernels (and the
+# native decode stack, whose calls stop at quant.PANEL_M rows) stay, so this must stay >= PANEL_M.
+INT8_OUTER_M = 16
 
 
 class QuantLinear:
@@ -91,6 +106,8 @@ class QuantLinear:
             if self.invariant:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
+        if self.mode == "int8" and x.shape[0] >= INT8_OUTER_M and quant.int8_outer_ready(qw):
+            return quant.qlinear_int8_outer(x, qw, b)  # the row kernel's bits: invariant mode too
         if not self.invariant:
             if self.mode == "bf16" and x.shape[0] >= BF16_M:
                 return quant.qlinear_bf16(x, qw, b)

@@ -1,5 +1,5 @@
 /* Shared declarations of the quantised-weight kernels (qgemm.c: 32-element formats and the driver;
- * qgemm_k.c: GGUF k-quants; qgemm_i8.c: the int8 mode; qgemm_panel.c / qgemm_outer.c / qgemm_bf16.c: many
+ * qgemm_k.c: GGUF k-quants; qgemm_i8.c: the int8 mode; qgemm_panel.c / qgemm_outer.c / qgemm_bf16.c / qgemm_i8_outer.c: many
  * rows), and
  * the entry points other kernels call (decode_stack.c). */
 #ifndef DEEPINFER_QGEMM_H

@@ -1,5 +1,5 @@
 /* AVX2 pieces the quantised-weight kernels share (qgemm.c, qgemm_k.c, qgemm_panel.c, qgemm_outer.c,
- * qgemm_bf16.c): one copy, so every kernel sums in the same order (the panel kernel is bit-identical to
+ * qgemm_bf16.c, qgemm_i8_outer.c): one copy, so every kernel sums in the same order (the panel kernel is bit-identical to
  * the row kernels). */
 #ifndef DEEPINFER_QGEMM_AVX2_H
 #define DEEPINFER_QGEMM_AVX2_H
@@ -55,7 +55,7 @@ AVX2 static inline __attribute__((always_inline)) void fma32_rows(const __m256 *
 }
 
 /* 8 x 8 transpose of 32-bit elements: dst[c * lds + r] = src[r * ldr + c] (moves bits only: the outer
- * kernels transpose fp32 x (qgemm_outer.c) and bf16 pairs of x (qgemm_bf16.c) with it) */
+ * kernels transpose fp32 x (qgemm_outer.c), bf16 pairs of x (qgemm_bf16.c) and int8 quads of x (qgemm_i8_outer.c) with it) */
 AVX2 static inline void transpose8(const float *src, int64_t ldr, float *dst, int64_t lds) {
     __m256 r0 = _mm256_loadu_ps(src + 0 * ldr), r1 = _mm256_loadu_ps(src + 1 * ldr);
     __m256 r2 = _mm256_loadu_ps(src + 2 * ldr), r3 = _mm256_loadu_ps(src + 3 * ldr);
