@@ -311,14 +311,18 @@ def qlinear_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = N
     """x [M, K] fp32 @ W.T (+ bias) through csrc/qgemm_outer.c: one fixed order per output whatever M
     (so a row does not depend on the batch), but not the row kernels' order: for the default mode at
     PANEL_M+ rows, not the batch-invariant one. Without AVX2 it runs `qlinear`'s exact mode."""
-    lib = _lib()
-    x = _check_x("qlinear_outer", x, w.k)
+    return _outer("qlinear_outer", _lib().di_qgemm_outer, x, w, bias, lambda: qlinear(x, w, bias, mode="exact"))
+
+
+def _outer(name: str, kernel, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, fallback) -> torch.Tensor:
+    """One of the many-row kernels (same arguments) on x [M, K] fp32, or `fallback()` where it refuses."""
+    x = _check_x(name, x, w.k)
     m = x.shape[0]
     out = torch.empty(m, w.n, dtype=torch.float32)
-    if m and lib.di_qgemm_outer(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k,
+    if m and kernel(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k,
                     out.data_ptr(), out.stride(0)):
-        return qlinear(x, w, bias, mode="exact")
-    return _add_bias("qlinear_outer", out, bias)
+        return fallback()
+    return _add_bias(name, out, bias)
 
 
 # ---- many rows in bf16 products (csrc/qgemm_bf16.c) ----------------------------------------------------
@@ -327,14 +331,7 @@ def qlinear_bf16(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     multiplied by AVX512_BF16's vdpbf16ps, accumulated in fp32 (csrc/qgemm_bf16.c): one fixed order per
     output whatever M, so a row does not depend on the batch. Where the CPU lacks AVX512_BF16
     (`cpu_level()` below 3) it runs `qlinear_outer` (exact fp32 products) instead."""
-    lib = _lib()
-    x = _check_x("qlinear_bf16", x, w.k)
-    m = x.shape[0]
-    out = torch.empty(m, w.n, dtype=torch.float32)
-    if m and lib.di_qgemm_outer_bf16(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n,
-                                     w.k, out.data_ptr(), out.stride(0)):
-        return qlinear_outer(x, w, bias)
-    return _add_bias("qlinear_bf16", out, bias)
+    return _outer("qlinear_bf16", _lib().di_qgemm_outer_bf16, x, w, bias, lambda: qlinear_outer(x, w, bias))
 
 
 # ---- many rows in the int8 mode (csrc/qgemm_i8_outer.c) ------------------------------------------------
@@ -350,11 +347,4 @@ def qlinear_int8_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | Non
     quantisation, the same integer block sums and fp32 combination order), so a row's bits do not
     depend on M or on which of the two ran it. Where `int8_outer_ready(w)` is False it runs that row
     kernel."""
-    lib = _lib()
-    x = _check_x("qlinear_int8_outer", x, w.k)
-    m = x.shape[0]
-    out = torch.empty(m, w.n, dtype=torch.float32)
-    if m and lib.di_qgemm_outer_i8(x.data_ptr(), x.stride(0), m, w.data.data_ptr(), w.data.shape[1], w.fmt, w.n,
-                                   w.k, out.data_ptr(), out.stride(0)):
-        return qlinear(x, w, bias, mode="int8")
-    return _add_bias("qlinear_int8_outer", out, bias)
+    return _outer("qlinear_int8_outer", _lib().di_qgemm_outer_i8, x, w, bias, lambda: qlinear(x, w, bias, mode="int8"))
