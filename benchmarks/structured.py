@@ -10,13 +10,13 @@
 - a structured extraction job (64 product reviews -> one JSON object each, one schema, greedy, at most
   96 tokens) against vLLM CPU bf16 with the same schema as its structured output, where the peer's
   environment exists (`--peers DIR`, see vllm_peer.py): records/s and outputs that validate against the
-  schema, ours in each of --dtypes (Engine(dtype=...)) with jump-forward on and (unless --no-jf-off)
-  off, every arm in turn (order reversed every other repeat), best of --repeats, paired median of each
+  schema, ours in each of --dtypes (Engine(dtype=...)) with jump-forward on and
+  off (--jump-forward picks one), every arm in turn (order reversed every other repeat), best of --repeats, paired median of each
   ratio; and where our time goes (engine stats).
 
     python benchmarks/structured.py [--batch 32] [--coverage-sample 30] [--peers DIR]
         [--sections constrained extraction coverage] [--records 64] [--repeats 3]
-        [--dtypes auto bfloat16] [--no-jf-off]
+        [--dtypes auto bfloat16] [--jump-forward both|on|off]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def time_split(wall: float, d: dict) -> str:
 def extraction(args) -> None:
     """The extraction job: ours (per dtype, jump-forward on / off) vs vLLM CPU bf16, side by side."""
     arms_ours = {f"ours {d} jf {'on' if jf else 'off'}": Engine(kv_cache_memory=1 << 30, dtype=d, jump_forward=jf)
-                 for d in args.dtypes for jf in ((True,) if args.no_jf_off else (True, False))}
+                 for d in args.dtypes for jf in {"both": (True, False), "on": (True,), "off": (False,)}[args.jump_forward]}
     first = next(iter(arms_ours.values()))
     prompts = extraction_prompts(first, args.records)
     sp = SamplingParams(temperature=0, max_tokens=args.extract_max_tokens, json_schema=REVIEW)
@@ -270,7 +270,8 @@ def main() -> None:
                     help="directory built by ../shared/peers/setup.sh (vLLM from DIR/vllm)")
     ap.add_argument("--dtypes", nargs="+", default=["auto"],
                     help="extraction: our engine's Engine(dtype=...) arms, e.g. auto bfloat16")
-    ap.add_argument("--no-jf-off", action="store_true", help="extraction: only jump-forward on")
+    ap.add_argument("--jump-forward", choices=("both", "on", "off"), default="both",
+                    help="extraction: our arms with jump-forward on, off (the engine's default) or both")
     args = ap.parse_args()
     engine = None
     if "constrained" in args.sections:
