@@ -89,6 +89,8 @@ static inline v16 wload16(const float *p) { return load16(p); }
 #define NR 48
 #define MR 8
 
+#include "panel_tile.h"
+
 /* acc[r][0..2] = x[r, :] . panel (all k, in order) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *x, int64_t ldx,
                                                              const wt_t *w, int64_t K, v16 acc[MR][3]) {
@@ -135,23 +137,6 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
         }
     }
 #endif
-}
-
-/* Writes columns [n0, n0 + ncols) of rows r of y; ncols < NR only in the last (padded) panel. */
-static inline __attribute__((always_inline)) void store_tile(const int mr, v16 acc[MR][3], float *y, int64_t ldy,
-                                                             int64_t ncols, const float *bias) {
-    for (int r = 0; r < mr; ++r) {
-        float *yr = y + r * ldy;
-        if (bias)
-            for (int c = 0; c < 3; ++c) acc[r][c] += load16(bias + 16 * c);
-        if (ncols == NR) {
-            for (int c = 0; c < 3; ++c) store16(yr + 16 * c, acc[r][c]);
-        } else {
-            float tmp[NR];
-            for (int c = 0; c < 3; ++c) store16(tmp + 16 * c, acc[r][c]);
-            memcpy(yr, tmp, sizeof(float) * (size_t)ncols);
-        }
-    }
 }
 
 static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx, const wt_t *wp,

@@ -33,6 +33,8 @@
 #define NR 48
 #define MR 8
 
+#include "panel_tile.h"
+
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16u __attribute__((vector_size(64), aligned(4)));
 
@@ -115,23 +117,6 @@ static inline __attribute__((always_inline)) BF16DOT void tile_dot(const int mr,
         for (int c = 0; c < 3; ++c) acc[r][c] = (v16)a[r][c];
 }
 
-/* rows r of y, columns [0, ncols) of this panel (ncols < NR only in the last, padded panel) */
-static inline __attribute__((always_inline)) void store_rows(const int mr, v16 acc[MR][3], float *y, int64_t ldy,
-                                                             int64_t ncols, const float *bias) {
-    for (int r = 0; r < mr; ++r) {
-        float *yr = y + r * ldy;
-        if (bias)
-            for (int c = 0; c < 3; ++c) acc[r][c] += load16(bias + 16 * c);
-        if (ncols == NR) {
-            for (int c = 0; c < 3; ++c) store16(yr + 16 * c, acc[r][c]);
-        } else {
-            float tmp[NR];
-            for (int c = 0; c < 3; ++c) store16(tmp + 16 * c, acc[r][c]);
-            memcpy(yr, tmp, sizeof(float) * (size_t)ncols);
-        }
-    }
-}
-
 /* One tile: mr rows of xb against panel p (gated: gate panel 2p and up panel 2p + 1). The two bodies
  * differ only in the tile function, so each is this macro expanded with its own target. */
 #define TILE_BODY(TILEFN)                                                                     \
@@ -139,7 +124,7 @@ static inline __attribute__((always_inline)) void store_rows(const int mr, v16 a
     const int64_t pw = Kp * NR; /* uint32 pairs per panel */                                  \
     if (!gated) {                                                                             \
         TILEFN(mr, xb, Kp, wp + p * pw, acc);                                                 \
-        store_rows(mr, acc, y + p * NR, ldy, ncols, bias ? bias + p * NR : 0);                \
+        store_tile(mr, acc, y + p * NR, ldy, ncols, bias ? bias + p * NR : 0);                \
         return;                                                                               \
     }                                                                                         \
     v16 up[MR][3];                                                                            \
@@ -147,7 +132,7 @@ static inline __attribute__((always_inline)) void store_rows(const int mr, v16 a
     TILEFN(mr, xb, Kp, wp + (2 * p + 1) * pw, up);                                            \
     for (int r = 0; r < mr; ++r)                                                              \
         for (int c = 0; c < 3; ++c) acc[r][c] = silu16(acc[r][c]) * up[r][c];                 \
-    store_rows(mr, acc, y + p * NR, ldy, ncols, 0);
+    store_tile(mr, acc, y + p * NR, ldy, ncols, 0);
 
 static inline __attribute__((always_inline)) void tile_w(const int mr, const uint32_t *xb, int64_t Kp,
                                                          const uint32_t *wp, int64_t p, int gated, float *y,
