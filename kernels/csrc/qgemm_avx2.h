@@ -78,4 +78,28 @@ AVX2 static inline void transpose8(const float *src, int64_t ldr, float *dst, in
     _mm256_storeu_ps(dst + 6 * lds, _mm256_permute2f128_ps(s2, s6, 0x31));
     _mm256_storeu_ps(dst + 7 * lds, _mm256_permute2f128_ps(s3, s7, 0x31));
 }
+/* The AVX-512 outer-product kernels' register tiles over one group of nj (<= WR) prepared weight rows
+ * (weight row j at W + j * LDW) and rows [m0, m1) of the transposed x (XT, rows ldt apart), written to
+ * y (row r at y + r * ldy): up to 24 accumulators, 16 weight rows by one vector of 16 x rows, or 8 by
+ * two or three. TILE(wr, xv, w, ldw, xT, ldt, mr, nj, y, ldy) is the kernel's tile (qgemm_outer.c's
+ * tile512, qgemm_bf16.c's tile_bf16); the includer defines WR and XV. */
+#define OUTER_GROUP_TILES(TILE, W, LDW, XT, ldt, m0, m1, nj, y, ldy)                                          \
+    for (int64_t r_ = (m0); r_ < (m1); r_ += 16 * XV) {                                                        \
+        const int64_t rest_ = (m1) - r_;                                                                       \
+        const int mr_ = rest_ < 16 * XV ? (int)rest_ : 16 * XV;                                                \
+        float *yr_ = (y) + r_ * (ldy);                                                                         \
+        switch ((mr_ + 15) / 16) {                                                                             \
+        case 3:                                                                                                \
+            for (int j_ = 0; j_ < (nj); j_ += 8)                                                               \
+                TILE(8, 3, (W) + j_ * (LDW), LDW, (XT) + r_, ldt, mr_, (nj) - j_ < 8 ? (nj) - j_ : 8, yr_ + j_, \
+                     ldy);                                                                                     \
+            break;                                                                                             \
+        case 2:                                                                                                \
+            for (int j_ = 0; j_ < (nj); j_ += 8)                                                               \
+                TILE(8, 2, (W) + j_ * (LDW), LDW, (XT) + r_, ldt, mr_, (nj) - j_ < 8 ? (nj) - j_ : 8, yr_ + j_, \
+                     ldy);                                                                                     \
+            break;                                                                                             \
+        default: TILE(WR, 1, W, LDW, (XT) + r_, ldt, mr_, nj, yr_, ldy); break;                                \
+        }                                                                                                      \
+    }
 #endif

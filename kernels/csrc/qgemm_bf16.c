@@ -112,23 +112,7 @@ BF16 static int outer_bf16(const float *x, int64_t ldx, int64_t M, const uint8_t
                 }
                 round_bf16(wf, WR * K, wb);
                 const uint32_t *wp = (const uint32_t *)wb;
-                for (int64_t r = m0; r < m1; r += 16 * XV) {
-                    const int64_t rest = m1 - r;
-                    const int mr = rest < 16 * XV ? (int)rest : 16 * XV;
-                    float *yr = y + r * ldy + n0;
-                    /* up to 24 accumulators: 16 weight rows by one vector of x, 8 by two or three */
-                    switch ((mr + 15) / 16) {
-                    case 3:
-                        for (int j = 0; j < nj; j += 8)
-                            tile_bf16(8, 3, wp + j * K2, K2, xP + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
-                        break;
-                    case 2:
-                        for (int j = 0; j < nj; j += 8)
-                            tile_bf16(8, 2, wp + j * K2, K2, xP + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
-                        break;
-                    default: tile_bf16(WR, 1, wp, K2, xP + r, ldt, mr, nj, yr, ldy); break;
-                    }
-                }
+                OUTER_GROUP_TILES(tile_bf16, wp, K2, xP, ldt, m0, m1, nj, y + n0, ldy);
             }
         }
         free(wf);

@@ -175,23 +175,7 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
                     if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wb + j * K);
                     else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
                 }
-                for (int64_t r = m0; r < m1; r += 16 * XV) {
-                    const int64_t rest = m1 - r;
-                    const int mr = rest < 16 * XV ? (int)rest : 16 * XV;
-                    float *yr = y + r * ldy + n0;
-                    /* up to 24 accumulators: 16 weight rows by one vector of x, 8 by two or three */
-                    switch ((mr + 15) / 16) {
-                    case 3:
-                        for (int j = 0; j < nj; j += 8)
-                            tile512(8, 3, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
-                        break;
-                    case 2:
-                        for (int j = 0; j < nj; j += 8)
-                            tile512(8, 2, wb + j * K, K, xT + r, ldt, mr, nj - j < 8 ? nj - j : 8, yr + j, ldy);
-                        break;
-                    default: tile512(WR, 1, wb, K, xT + r, ldt, mr, nj, yr, ldy); break;
-                    }
-                }
+                OUTER_GROUP_TILES(tile512, wb, K, xT, ldt, m0, m1, nj, y + n0, ldy);
             }
         }
         free(wb);
