@@ -3,7 +3,7 @@
  * instruction) does the work where the row kernel reads each weight block once per row of x.
  *
  * x is quantised per 32-block by the row kernel's own quantiser (di_q8_quantize_rows: the same qx,
- * scales s and s * sum q), then transposed once per call, in panels of 48 rows, into dwords of 4
+ * scales s and s * sum q), then transposed once per call, in panels of 32 rows, into dwords of 4
  * consecutive k (and its per-block values into columns). 16 weight rows at a time are unpacked into
  * bytes in element order with their block scales. A register tile of TJ weight
  * rows by XV vectors of 16 rows of x sums each block's integer dot in int32 lanes (8 vpdpbusd, 4 k each),
@@ -32,9 +32,13 @@
 
 #define WR 16 /* weight rows unpacked per group */
 /* the register tile: TJ weight rows by XV vectors of 16 rows of x, an int32 and an fp32 accumulator
- * each (4 x 3: 24 zmm, plus 3 x vectors and a broadcast) */
+ * each (4 x 2: 16 zmm, plus 2 x vectors and a broadcast). 4 x 3 (24 + 4 zmm) left gcc too few registers
+ * for the per-block float step: it spilled 7 of the 12 fp32 accumulators to the stack every block and
+ * copied int32 ones between registers (objdump); 4 x 2 keeps all in registers. One thread, SmolLM2
+ * shapes at 128 rows, ms: gate_up 0.92-1.17 vs 1.10-1.36, the Q8_0 LM head 15.0-15.5 vs 19.1-21.0;
+ * 8 x 1 was no better */
 #define TJ 4
-#define XV 3
+#define XV 2
 /* xT bytes per pass over the weights, as qgemm_outer.c's (L2: 1 MB per core on the Zen 5 host) */
 #define XB_BYTES (640 << 10)
 
@@ -102,12 +106,19 @@ AVX2 static void unpack_group(int fmt, const uint8_t *w, int64_t rb, int64_t n0,
     }
 }
 
+/* the next group's weight bytes into L2 while this group's tiles run: unpack_group otherwise waited on
+ * DRAM for every row (perf: most of its samples on the weight loads once 30 layers' weights stream) */
+static inline void prefetch_rows(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+}
+
 #define I8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* y[r, j] for r < mr, j < nj: x rows r0 .. (lanes of xv vectors) against weight rows j0 .. j0 + tj of g */
+/* ot[j][r] (rows PR apart) for j0 <= j < j0 + tj, r < 16 xv: x rows r0 .. (lanes of xv vectors) against weight
+ * rows j0 .. j0 + tj of g */
 I8 static inline __attribute__((always_inline)) void tile_i8(const int fmt, const int tj, const int xv,
                                                              const wgroup *g, int j0, int64_t K, const xcols *X,
-                                                             int64_t r0, int mr, int nj, float *y, int64_t ldy) {
+                                                             int64_t r0, float *ot) {
     const int64_t nb = K / QK, P = r0 / PR;
     const uint32_t *xq = X->q + P * (K / 4) * PR;
     const float *xs = X->s + P * nb * PR, *xsum = X->sum + P * nb * PR;
@@ -136,12 +147,13 @@ I8 static inline __attribute__((always_inline)) void tile_i8(const int fmt, cons
                                                 : _mm512_dpbusd_epi32(dot[j][c], wb, xv_[c]);
             }
         }
-        __m512 s[XV];
-        for (int c = 0; c < xv; ++c) s[c] = _mm512_load_ps(xs + b * PR + 16 * c);
-        for (int j = 0; j < tj; ++j) {
-            const __m512 d = _mm512_set1_ps(g->d[(j0 + j) * nb + b]);
-            for (int c = 0; c < xv; ++c)
-                acc[j][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][c]), _mm512_mul_ps(d, s[c]), acc[j][c]);
+        /* one x scale live at a time, d_j broadcast from memory per use: with all of them hoisted gcc
+         * spilled fp32 accumulators to the stack every block (perf) */
+        for (int c = 0; c < xv; ++c) {
+            const __m512 s = _mm512_load_ps(xs + b * PR + 16 * c);
+            for (int j = 0; j < tj; ++j)
+                acc[j][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j][c]),
+                                            _mm512_mul_ps(_mm512_set1_ps(g->d[(j0 + j) * nb + b]), s), acc[j][c]);
         }
     }
     /* y = acc + macc, macc the min term's own chain (zero but for Q4_1), as the row kernel adds them */
@@ -157,11 +169,19 @@ I8 static inline __attribute__((always_inline)) void tile_i8(const int fmt, cons
                 for (int c = 0; c < xv; ++c) macc[j][c] = _mm512_fmadd_ps(m, xm[c], macc[j][c]);
             }
         }
-    float t[TJ][16 * XV] __attribute__((aligned(64)));
     for (int j = 0; j < tj; ++j)
-        for (int c = 0; c < xv; ++c) _mm512_store_ps(t[j] + 16 * c, _mm512_add_ps(acc[j][c], macc[j][c]));
+        for (int c = 0; c < xv; ++c) _mm512_store_ps(ot + (j0 + j) * PR + 16 * c, _mm512_add_ps(acc[j][c], macc[j][c]));
+}
+
+/* y[r, j] = ot[j * PR + r] for r < mr, j < nj: 8 x 8 transposes where whole, else one by one. The tiles'
+ * 16-row x 4-column pieces stored one float at a time (with a branch per column) took ~12% of the
+ * tiles' time (perf, SmolLM2 at 128 rows) */
+I8 static void store_group(const float *ot, int mr, int nj, float *y, int64_t ldy) {
+    const int m8 = mr / 8 * 8, n8 = nj / 8 * 8;
+    for (int r = 0; r < m8; r += 8)
+        for (int j = 0; j < n8; j += 8) transpose8(ot + j * PR + r, PR, y + r * ldy + j, ldy);
     for (int r = 0; r < mr; ++r)
-        for (int j = 0; j < nj; ++j) y[r * ldy + j] = t[j][r];
+        for (int j = r < m8 ? n8 : 0; j < nj; ++j) y[r * ldy + j] = ot[j * PR + r];
 }
 
 /* one group's tiles for x rows r0 .. r0 + mr, the format a compile-time constant */
@@ -169,12 +189,12 @@ I8 static inline __attribute__((always_inline)) void group_i8(const int fmt, con
                                                               const xcols *X, int64_t r0, int mr, float *y,
                                                               int64_t ldy) {
     const int xv = (mr + 15) / 16;
+    float ot[WR * PR] __attribute__((aligned(64)));
     for (int j = 0; j < nj; j += TJ) {
-        const int n = nj - j < TJ ? nj - j : TJ;
-        if (xv == 3) tile_i8(fmt, TJ, 3, g, j, K, X, r0, mr, n, y + j, ldy);
-        else if (xv == 2) tile_i8(fmt, TJ, 2, g, j, K, X, r0, mr, n, y + j, ldy);
-        else tile_i8(fmt, TJ, 1, g, j, K, X, r0, mr, n, y + j, ldy);
+        if (xv == 2) tile_i8(fmt, TJ, 2, g, j, K, X, r0, ot);
+        else tile_i8(fmt, TJ, 1, g, j, K, X, r0, ot);
     }
+    store_group(ot, mr, nj, y, ldy);
 }
 
 I8 static void group_fmt(int fmt, const wgroup *g, int nj, int64_t K, const xcols *X, int64_t r0, int mr, float *y,
@@ -251,6 +271,7 @@ I8 static int outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w,
                 const int64_t n0 = gi * WR;
                 const int nj = N - n0 < WR ? (int)(N - n0) : WR;
                 unpack_group(fmt, w, rb, n0, nj, K, &g);
+                prefetch_rows(w + (n0 + WR) * rb, (N - n0 - WR < WR ? N - n0 - WR : WR) * rb);
                 for (int64_t r = m0; r < m1; r += PR) {
                     const int mr = m1 - r < PR ? (int)(m1 - r) : PR;
                     group_fmt(fmt, &g, nj, K, &X, r, mr, y + r * ldy + n0, ldy);

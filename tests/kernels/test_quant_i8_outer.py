@@ -63,8 +63,8 @@ def _reference(x: torch.Tensor, qw: quant.QuantWeight) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m,n", [(16, 37), (47, 16), (49, 1), (101, 50), (130, 33)])
 def test_int8_outer_is_the_int8_row_kernel_bit_for_bit(fmt, m, n):
-    # m: within one tile of 48 rows, one past it, several panels with a ragged last one; n: not a
-    # multiple of the 16-row weight group or the 4-row register tile
+    # m: one panel of 32 rows, one and a ragged second, two past it, several with a ragged last one;
+    # n: not a multiple of the 16-row weight group, the 4-row register tile or the 8 x 8 output transpose
     qw, x = _case(fmt, m, n)
     y = quant.qlinear_int8_outer(x, qw)
     assert torch.equal(y, quant.qlinear(x, qw, mode="int8"))
@@ -84,7 +84,7 @@ def test_int8_outer_rows_do_not_depend_on_the_batch(fmt):
 
 @needs_vnni
 def test_int8_outer_several_passes_and_bias():
-    # K = 2048: a pass covers 288 rows of x (its xT slice stays under 640 KB), so 700 rows take three
+    # K = 2048: a pass covers 320 rows of x (its xT slice stays under 640 KB), so 700 rows take three
     qw, x = _case(quant.Q4_1, 700, 21, k=2048)
     bias = torch.randn(21)
     y = quant.qlinear_int8_outer(x, qw, bias)
