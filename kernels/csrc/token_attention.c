@@ -18,47 +18,102 @@
 #include "vec16.h"
 
 #define MAX_DV 8 /* head dims up to 8 x 16 = 128 take the vector path */
+#define MAX_HN 4 /* query heads of one KV head computed together */
 
-/* One (token, head): s is scratch for round_up(L, 16) floats. */
-static inline __attribute__((always_inline)) void head_vec(const int DV, const float *qh, const float *kc,
-                                                           const float *vc, const int64_t *slots,
-                                                           int64_t slot_stride, int64_t L, float scale,
-                                                           float *s, float *o) {
-    v16 q[MAX_DV], acc[MAX_DV];
-    for (int c = 0; c < DV; ++c) q[c] = load16(qh + 16 * c);
-    float m = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-        const float *k = kc + slots[j] * slot_stride;
-        v16 p = q[0] * load16(k);
-        for (int c = 1; c < DV; ++c) p += q[c] * load16(k + 16 * c);
-        const float x = hsum16(p) * scale;
-        s[j] = x;
-        m = x > m ? x : m;
+/* four 16-lane partial dot products -> lanes (a b c d).(0..7) + (8..15) then their (0..3) + (4..7):
+ * hsum16's first two steps, for four vectors at once (chunk k of the result holds vector k's 4 lanes) */
+static inline v16 reduce4(v16 a, v16 b, v16 c, v16 d) {
+    const v16 ab = __builtin_shuffle(a, b, (i16v){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+                   __builtin_shuffle(a, b, (i16v){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    const v16 cd = __builtin_shuffle(c, d, (i16v){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+                   __builtin_shuffle(c, d, (i16v){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    return __builtin_shuffle(ab, cd, (i16v){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(ab, cd, (i16v){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+}
+
+/* sixteen partial dot products p[0..15] -> their sums in key order, each by exactly hsum16's tree
+ * ((i + i+8), then (+ i+4), (+ i+2), (+ i+1); float addition commutes bit for bit), so the scores are
+ * the per-key hsum16 bits: 2.8 shuffles and adds per key instead of 8. reduce4 of keys (m, m+4, m+8,
+ * m+12) puts key 4k + m in chunk k; the last two steps keep that chunk and put it in lane 4k + m. */
+static inline v16 reduce16(const v16 *p) {
+    const v16 e = reduce4(p[0], p[4], p[8], p[12]), f = reduce4(p[1], p[5], p[9], p[13]);
+    const v16 g = reduce4(p[2], p[6], p[10], p[14]), h = reduce4(p[3], p[7], p[11], p[15]);
+    const v16 ef = __builtin_shuffle(e, f, (i16v){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+                   __builtin_shuffle(e, f, (i16v){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    const v16 gh = __builtin_shuffle(g, h, (i16v){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+                   __builtin_shuffle(g, h, (i16v){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    return __builtin_shuffle(ef, gh, (i16v){0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}) +
+           __builtin_shuffle(ef, gh, (i16v){1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31});
+}
+
+/* HN query heads (qh, q_sh apart) of one KV head: each K and V row is read once for all of them, and
+ * the HN x DV output accumulators give the value sum independent chains (one head alone was bound by
+ * the FMA latency of its DV chains). Every head's arithmetic is exactly the one-head order: per key the
+ * same products and lane tree, keys left to right, the same softmax. One thread, SmolLM2 (9 / 3 heads,
+ * D 64), 128 decode tokens over 52 keys, 30 layers: see the commit. s: scratch for HN rows of
+ * round_up(L, 16) + 16 floats (ls apart). */
+static inline __attribute__((always_inline)) void heads_vec(const int DV, const int HN, const float *qh, int64_t q_sh,
+                                                            const float *kc, const float *vc, const int64_t *slots,
+                                                            int64_t slot_stride, int64_t L, float scale, float *s,
+                                                            int64_t ls, float *o, int64_t D) {
+    v16 q[MAX_HN][MAX_DV], acc[MAX_HN][MAX_DV], p[MAX_HN][16];
+    float m[MAX_HN];
+    for (int h = 0; h < HN; ++h) {
+        for (int c = 0; c < DV; ++c) q[h][c] = load16(qh + h * q_sh + 16 * c);
+        m[h] = -INFINITY;
     }
-    const v16 mv = splat16(m);
-    v16 z = splat16(0.f);
-    int64_t j = 0;
-    for (; j + 16 <= L; j += 16) {
-        v16 e = exp16_nonpos(load16(s + j) - mv);
-        store16(s + j, e);
-        z += e;
+    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const int n = L - j0 < 16 ? (int)(L - j0) : 16;
+        for (int jj = 0; jj < n; ++jj) {
+            if (j0 + jj + 16 < L)
+                for (int c = 0; c < DV; ++c) __builtin_prefetch(kc + slots[j0 + jj + 16] * slot_stride + 16 * c);
+            for (int c = 0; c < DV; ++c) __builtin_prefetch(vc + slots[j0 + jj] * slot_stride + 16 * c);
+            const float *k = kc + slots[j0 + jj] * slot_stride;
+            const v16 k0 = load16(k);
+            for (int h = 0; h < HN; ++h) p[h][jj] = q[h][0] * k0;
+            for (int c = 1; c < DV; ++c) {
+                const v16 kk = load16(k + 16 * c);
+                for (int h = 0; h < HN; ++h) p[h][jj] += q[h][c] * kk;
+            }
+        }
+        for (int h = 0; h < HN; ++h) {
+            for (int jj = n; jj < 16; ++jj) p[h][jj] = splat16(0.f);
+            const v16 x = reduce16(p[h]) * scale;
+            store16(s + h * ls + j0, x);
+            for (int jj = 0; jj < n; ++jj) m[h] = x[jj] > m[h] ? x[jj] : m[h];
+        }
     }
-    if (j < L) { /* last partial block: lanes past L count as zero */
-        for (int64_t i = L; i < j + 16; ++i) s[i] = m;
-        i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        i16v keep = lane < (int32_t)(L - j);
-        v16 e = (v16)((i16v)exp16_nonpos(load16(s + j) - mv) & keep);
-        store16(s + j, e);
-        z += e;
+    float inv[MAX_HN];
+    for (int h = 0; h < HN; ++h) {
+        float *sh = s + h * ls;
+        const v16 mv = splat16(m[h]);
+        v16 z = splat16(0.f);
+        int64_t j = 0;
+        for (; j + 16 <= L; j += 16) {
+            v16 e = exp16_nonpos(load16(sh + j) - mv);
+            store16(sh + j, e);
+            z += e;
+        }
+        if (j < L) { /* last partial block: lanes past L count as zero */
+            for (int64_t i = L; i < j + 16; ++i) sh[i] = m[h];
+            i16v keep = lane < (int32_t)(L - j);
+            v16 e = (v16)((i16v)exp16_nonpos(load16(sh + j) - mv) & keep);
+            store16(sh + j, e);
+            z += e;
+        }
+        inv[h] = 1.f / hsum16(z);
+        for (int c = 0; c < DV; ++c) acc[h][c] = splat16(0.f);
     }
-    const float inv = 1.f / hsum16(z);
-    for (int c = 0; c < DV; ++c) acc[c] = splat16(0.f);
     for (int64_t jj = 0; jj < L; ++jj) {
         const float *v = vc + slots[jj] * slot_stride;
-        const v16 p = splat16(s[jj]);
-        for (int c = 0; c < DV; ++c) acc[c] += p * load16(v + 16 * c);
+        for (int c = 0; c < DV; ++c) {
+            const v16 vv = load16(v + 16 * c);
+            for (int h = 0; h < HN; ++h) acc[h][c] += splat16(s[h * ls + jj]) * vv;
+        }
     }
-    for (int c = 0; c < DV; ++c) store16(o + 16 * c, acc[c] * inv);
+    for (int h = 0; h < HN; ++h)
+        for (int c = 0; c < DV; ++c) store16(o + h * D + 16 * c, acc[h][c] * inv[h]);
 }
 
 /* Any head dim: plain loops (scalar exp). */
@@ -94,35 +149,57 @@ int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const flo
     const int64_t G = H / Hkv;
     const int64_t slot_stride = Hkv * D;
     const int DV = (D % 16 == 0 && D / 16 <= MAX_DV) ? (int)(D / 16) : 0;
+    /* heads per work item: a KV head's G query heads in chunks of HN (at most 2 at D > 64, whose q and
+     * accumulators would not fit the registers) */
+    const int64_t HN = DV ? (G < (DV > 4 ? 2 : MAX_HN) ? G : (DV > 4 ? 2 : MAX_HN)) : 1;
+    const int64_t chunks = (G + HN - 1) / HN, ls = (max_len > 0 ? max_len : 1) + 16;
     int failed = 0;
 #pragma omp parallel
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)((max_len > 0 ? max_len : 1) + 16));
+        float *s = (float *)malloc(sizeof(float) * (size_t)(HN * ls));
         if (!s) {
 #pragma omp atomic write
             failed = 1;
         }
         /* every thread must reach the worksharing loop, even one without scratch */
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < T * H; ++w) {
+        for (int64_t w = 0; w < T * Hkv * chunks; ++w) {
             if (!s) continue;
-            const int64_t t = w / H, h = w % H, L = len[t];
+            const int64_t t = w / (Hkv * chunks), kh = w % (Hkv * chunks) / chunks;
+            const int64_t h0 = kh * G + w % chunks * HN, L = len[t];
+            const int hn = (int)(kh * G + G - h0 < HN ? kh * G + G - h0 : HN);
+            if (w + 1 < T * Hkv * chunks) { /* the next item's first keys, while this one runs */
+                const int64_t t1 = (w + 1) / (Hkv * chunks), kh1 = (w + 1) % (Hkv * chunks) / chunks;
+                const int64_t *sl1 = idx + row[t1] * idx_ld;
+                for (int64_t j = 0; j < len[t1] && j < 16; ++j)
+                    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kc + sl1[j] * slot_stride + kh1 * D + d);
+            }
             if (L <= 0) continue; /* token computed elsewhere: its output rows are left as they are */
             const int64_t *slots = idx + row[t] * idx_ld;
-            const float *qh = q + t * q_st + h * q_sh;
-            const float *k0 = kc + (h / G) * D, *v0 = vc + (h / G) * D;
-            float *o = out + (t * H + h) * D;
+            const float *qh = q + t * q_st + h0 * q_sh;
+            const float *k0 = kc + kh * D, *v0 = vc + kh * D;
+            float *o = out + (t * H + h0) * D;
+#define HEADS(dv)                                                                                           \
+    switch (hn) {                                                                                           \
+    case 1: heads_vec(dv, 1, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;           \
+    case 2: heads_vec(dv, 2, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;           \
+    case 3: heads_vec(dv, dv > 4 ? 2 : 3, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break; \
+    default: heads_vec(dv, dv > 4 ? 2 : 4, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D);     \
+    }
             switch (DV) {
-            case 1: head_vec(1, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            case 2: head_vec(2, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            case 3: head_vec(3, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            case 4: head_vec(4, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            case 5: head_vec(5, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            case 6: head_vec(6, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            case 7: head_vec(7, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            case 8: head_vec(8, qh, k0, v0, slots, slot_stride, L, scale, s, o); break;
-            default: head_any(D, qh, k0, v0, slots, slot_stride, L, scale, s, o);
+            case 1: HEADS(1); break;
+            case 2: HEADS(2); break;
+            case 3: HEADS(3); break;
+            case 4: HEADS(4); break;
+            case 5: HEADS(5); break;
+            case 6: HEADS(6); break;
+            case 7: HEADS(7); break;
+            case 8: HEADS(8); break;
+            default:
+                for (int i = 0; i < hn; ++i)
+                    head_any(D, qh + i * q_sh, k0, v0, slots, slot_stride, L, scale, s, o + i * D);
             }
+#undef HEADS
         }
         free(s);
     }
