@@ -1,8 +1,9 @@
 """The native decode stack (csrc/decode_stack.c): every decoder layer of a dense Llama / Qwen2 model
-for a decode-only batch (one query token per sequence, fewer than quant.PANEL_M rows) in one C call,
+for a decode-only batch (one query token per sequence; up to `max_rows`) in one C call,
 on GGUF block weights as stored (`quant.QuantWeight`), fp32 activations and KV cache.
 
-It calls the kernels the per-op path calls (quant's row kernels in the exact or int8 mode, the native
+It calls the kernels the per-op path calls (quant's row kernels in the exact or int8 mode, from 16 rows
+the int8 mode's outer kernel (the int8 row kernel's bits), the native
 RMSNorm, rotary + KV store, token attention, silu * mul) with the same arguments in the same order,
 so its hidden states are bit-identical to that path's; it saves the Python between the ops (~10 per
 layer at ~17 us each against a few us of work for the small ones at batch 1).

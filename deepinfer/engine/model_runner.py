@@ -124,7 +124,8 @@ class ModelRunner:
         if self.token_attention is not None and quant_mode and self.num_mtp_layers == 0 and not self.use_graphs:
             from deepinfer.engine.native_decode import bind_decode_stack
 
-            self.decode_stack = bind_decode_stack(self.model, self.linear, self.kv_caches, self.block_size)
+            self.decode_stack = bind_decode_stack(self.model, self.linear, self.kv_caches, self.block_size,
+                                                  self.config.max_num_seqs)
         self.graphs = self._capture_graphs() if self.use_graphs else None
 
     def _capture_graphs(self):

@@ -1,8 +1,8 @@
 """The native decode stack for a model on GGUF block weights (deepinfer_kernels.decode_stack): which
 models it binds, and binding it.
 
-A decode-only step of fewer than quant.PANEL_M rows runs every decoder layer in one C call instead
-of ~10 Python-driven ops per layer (ModelRunner._forward), with the same kernels in the same order:
+A decode-only step (in the int8 mode any, else of fewer than quant.PANEL_M rows) runs every decoder
+layer in one C call instead of ~10 Python-driven ops per layer (ModelRunner._forward), with the same kernels in the same order:
 the same bits as the per-op path, so the batch-invariant mode holds through it. Bound only for the
 plain dense decoder (Llama, Qwen2: GQA attention with rotate-half rope, optional q|k|v bias, gated
 MLP) whose every projection has blocks and whose norms, rotary + KV store and attention are the
@@ -15,14 +15,15 @@ import torch
 
 from deepinfer.engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, GatedMLP, RMSNorm
 from deepinfer.engine.quant_linear import QuantLinear
-from deepinfer_kernels import native
+from deepinfer_kernels import native, quant
 from deepinfer_kernels.decode_stack import DecodeStack, StackLayer
 
 
 def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      block_size: int) -> DecodeStack | None:
+                      block_size: int, max_seqs: int = 1) -> DecodeStack | None:
     """The stack over `model`'s layers and caches, or None when the model is not one it computes
-    exactly as the per-op path does (see the module docstring)."""
+    exactly as the per-op path does (see the module docstring). It takes steps of up to max_seqs rows
+    in the int8 mode (see `stack_rows`), fewer than quant.PANEL_M in the exact one."""
     if not isinstance(linear, QuantLinear) or type(model).forward is not DecoderForCausalLM.forward:
         return None
     if type(model).embed is not DecoderForCausalLM.embed or len(kv_caches) != len(model.layers) or not kv_caches:
@@ -48,4 +49,15 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
         layers.append(StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                                  blocks[0], bias, blocks[1], blocks[2], blocks[3], kc, vc))
     return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps, model.layers[0].self_attn.n_heads,
-                       block_size, linear.row_mode)
+                       block_size, linear.row_mode, stack_rows(linear, max_seqs))
+
+
+def stack_rows(linear: QuantLinear, max_seqs: int) -> int:
+    """The most rows the stack takes: in the int8 mode every decode step (its projections from
+    INT8_OUTER_M rows are the vpdpbusd outer kernel, the row kernel's bits, as QuantLinear runs them);
+    in the exact and bf16 modes fewer than PANEL_M (from there QuantLinear runs other kernels).
+    SmolLM2-135M Q4_1 at 128 decode rows, the per-op path spent ~17 us of Python and a fresh torch
+    output (page faults on the MB-sized ones) per op, ~10 ops per layer."""
+    if linear.mode == "int8":
+        return max(max_seqs, quant.PANEL_M - 1)
+    return quant.PANEL_M - 1

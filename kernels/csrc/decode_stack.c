@@ -103,14 +103,26 @@ static size_t carve(const di_ds_model *m, char *base, scratch *s) {
 
 int64_t di_decode_stack_work_bytes(const di_ds_model *m) { return (int64_t)carve(m, 0, 0); }
 
-/* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's small-M call in this mode (exact: RowKernel;
- * int8: qlinear's quantise-then-integer-dot path, level 1) */
+/* qgemm_i8_outer.c: the int8 row kernel's bits from many rows (1 where it refuses) */
+int di_qgemm_outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
+                      int64_t N, int64_t K, float *y, int64_t ldy);
+
+/* rows from which the int8 mode runs the vpdpbusd outer kernel, as QuantLinear (INT8_OUTER_M); the
+ * same bits as the row path, so this only picks the faster kernel */
+#define DS_OUTER_ROWS 16
+
+/* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's call in this mode (exact, below PANEL_M rows:
+ * RowKernel; int8: qlinear's quantise-then-integer-dot path, level 1, or from DS_OUTER_ROWS rows
+ * qlinear_int8_outer where it runs) */
 static int project(const di_ds_model *m, const scratch *s, const di_ds_weight w, const float *x, int64_t M,
                    const float *bias, float *y) {
     int rc;
     const int64_t N = w[3], K = w[4];
     if (m->mode == DI_Q_EXACT) {
         rc = di_qgemm_exact_bound(w, x, M, y);
+    } else if (M >= DS_OUTER_ROWS &&
+               !di_qgemm_outer_i8(x, K, M, (const uint8_t *)(intptr_t)w[0], w[1], (int)w[2], N, K, y, N)) {
+        rc = 0;
     } else {
         rc = di_q8_quantize_rows(x, K, M, K, s->qx, s->xs, s->xsum);
         if (!rc)
