@@ -248,7 +248,7 @@ I8 static int outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w,
                 for (int64_t b = 0; b < nb; ++b) {
                     const int in = r < M;
                     int s = 0;
-                    if (in)
+                    if (in && fmt == FMT_Q4_0) /* only Q4_0's tiles read initT */
                         for (int i = 0; i < QK; ++i) s += qx[r * K + b * QK + i];
                     const int64_t o = r / PR * nb * PR + b * PR + r % PR;
                     sT[o] = in ? xs[r * nb + b] : 0.f;

@@ -61,6 +61,26 @@ def test_token_attention_is_batch_invariant_and_path_independent():
         assert torch.equal(batched[3], prefill[p])
 
 
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (6, 3, 48), (5, 5, 80)])
+def test_token_attention_heads_of_a_kv_group_get_the_bits_of_one_head_alone(H, Hkv, D):
+    # the kernel runs a KV head's query heads together (chunks of up to 4, 2 at D > 64); each head's
+    # output must be the bits it gets computed alone (one query head over its own KV head)
+    S = 300
+    kc, vc = _cache(S, Hkv, D, seed=5)
+    g = torch.Generator().manual_seed(6)
+    idx = torch.randperm(S, generator=g)[:3 * 70].view(3, 70)
+    row, lens = torch.tensor([0, 1, 2, 2]), torch.tensor([1, 16, 17, 70])
+    q = torch.randn(4, H, D, generator=g)
+    out = native.token_attention(q, kc, vc, idx, row, lens, D**-0.5, 70)
+    for h in range(H):
+        kh = h // (H // Hkv)
+        alone = native.token_attention(q[:, h:h + 1].contiguous(), kc[:, kh:kh + 1].contiguous(),
+                                       vc[:, kh:kh + 1].contiguous(), idx, row, lens, D**-0.5, 70)
+        assert torch.equal(out[:, h], alone[:, 0]), h
+    ref = native.token_attention_reference(q, kc, vc, idx, row, lens, D**-0.5)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5)
+
+
 def test_token_attention_skips_tokens_with_zero_length_and_reads_strided_queries():
     H, Hkv, D = 4, 2, 32
     kc, vc = _cache(50, Hkv, D, seed=4)
