@@ -47,6 +47,9 @@ from deepinfer_kernels import native, quant
 # row kernel (AVX-512) vs outer kernel (AVX-512): at 8 rows 0.062 / 0.249 / 0.081 / 2.78 vs 0.084 /
 # 0.359 / 0.119 / 4.65; at 12 rows 0.077 / 0.362 / 0.117 / 4.80 vs 0.075 / 0.365 / 0.122 / 5.52 (even);
 # at 16 rows 0.095 / 0.478 / 0.155 / 5.71 vs 0.072 / 0.363 / 0.125 / 4.99 (1.15-1.32x), so 16 stays.
+# (Those row-kernel figures predate qgemm.c's wide AVX-512 tiles, which took a pass over 30 distinct
+# layers' qkv + o + gate_up + down from 19.8 to 14.5 ms at 12 rows and 14.2 to 9.3 at 8; the row kernel
+# against the outer kernel at 16-32 rows has not been measured since.)
 # Earlier, at 1 thread on an AVX2-only Zen 3 host, ms: at 16 rows outer 0.41 / 0.98 / 0.49 vs the exact
 # row-or-panel path 0.40 / 1.08 / 0.58; at 32 rows 0.52 / 1.69 / 0.94 vs 0.68 / 2.20 / 1.42; at 128 rows
 # 1.73 / 6.65 / 3.33 vs 2.60 / 8.35 / 5.23, where the fp32 path's oneDNN GEMM on the dequantised weights

@@ -30,6 +30,7 @@
 #include "qgemm_avx2.h"
 
 #define MR 4 /* rows of x per tile: each block is unpacked once for up to 4 rows */
+#define WIDE_NC 16 /* weight rows per chunk of the driver (a thread's unit of work) */
 /* software prefetch distance at one row of x (bytes ahead in each weight row's stream): the 30 MB Q8_0
  * lm_head (49152 x 576) took 1.17x less time with it, Q4_1 down (576 x 1536) 1.24x, gate|up 1.04x
  * (1 thread, A/B in one process, paired median of 12, loaded host); 1 KB ahead was no better */
@@ -360,6 +361,92 @@ AVX512 static void nrows_exact512(int fmt, const uint8_t *w, int64_t row_bytes, 
     else nrows_exact_512(FMT_Q4_1, w, row_bytes, nb, x, y);
 }
 
+/* ---- AVX-512, two or more rows of x (a short prompt's prefill, a small batch's decode) -------------
+ * The tile above unpacks a block for MR = 4 rows of x, the AVX2 register budget: at 12 rows each block
+ * was dequantised three times and every FMA loaded its x, and the time equalled the outer-product
+ * kernel's (whose 16-row vectors of x are a quarter empty there). Here the rows are split into even
+ * tiles of at most WIDE_MR, and up to WIDE_ACC / mr weight rows (at most WIDE_NW) run side by side, so
+ * each x load feeds two or three weight rows and each block is dequantised once per tile. Measured
+ * on the 2-core Zen 5 host (2 threads, SmolLM2's Q4_1 qkv + o + gate_up + down, summed over 30 layers,
+ * ms, against the MR = 4 tile): at 12 rows one weight row x 12 rows 9.6 vs 12.3; two x 6 (two tiles)
+ * 9.9, three x 6 9.1; two x 12 (24 accumulators: GCC spilled) 19.7; at 8 rows one x 8 6.4, two x 8
+ * 6.5, three x 8 7.9 (spilled) vs 8.6. Each output is still one accumulator in rows_exact_512's order
+ * (block by block, elements 0-15 then 16-31 into the same lanes, hsum_pair at the end): the row
+ * kernels' bits whatever the tile, so a row never depends on M (batch-invariant mode included). Where
+ * a tile's rows of x outgrow L1 (12 rows of the 576 x 1536 down projection are 74 KB) K is walked in
+ * slices of at most XSLICE bytes of x, the accumulators parked between slices (storing a register and
+ * loading it back does not change the chain): down at 12 rows 0.081 vs 0.123 ms unsliced. */
+#define WIDE_MR 8     /* rows of x per tile */
+#define WIDE_NW 3     /* weight rows side by side, at most */
+#define WIDE_ACC 18   /* accumulators per tile, at most */
+#define XSLICE 32768  /* bytes of x per K slice */
+
+/* acc[i * mr + r] (+)= blocks [b0, b1) of weight row i < nw against x row r < mr */
+AVX512 static inline __attribute__((always_inline)) void wide_512(const int fmt, const int nw, const int mr,
+                                                                 const uint8_t *w, int64_t row_bytes, int64_t b0,
+                                                                 int64_t b1, const float *x, int64_t ldx,
+                                                                 __m512 *acc) {
+    const int bb = block_bytes(fmt);
+    __m512 a[WIDE_NW][WIDE_MR];
+    for (int i = 0; i < nw; ++i)
+        for (int r = 0; r < mr; ++r) a[i][r] = acc[i * mr + r];
+    for (int64_t b = b0; b < b1; ++b) {
+        __m512 v[WIDE_NW][2];
+        /* the weights stream from memory (a model's layers do not stay in cache): PF bytes ahead in
+         * each row's stream, as at one row. A pass over 30 distinct layers' Q4_1 qkv + o + gate_up +
+         * down, ms, median of 11, arms alternating, on a host loaded by a test run (so all slow): at
+         * 12 rows 74-76 with it vs 124-130 without (MR = 4 tile: 134-148), at 8 rows 39 vs 75 (90);
+         * 1 KB ahead no better */
+        for (int i = 0; i < nw; ++i) _mm_prefetch((const char *)(w + i * row_bytes + b * bb + PF), _MM_HINT_T0);
+        for (int i = 0; i < nw; ++i) dequant_block_512(fmt, w + i * row_bytes + b * bb, v[i]);
+        const float *xb = x + b * QK;
+        for (int r = 0; r < mr; ++r) {
+            const __m512 x0 = _mm512_loadu_ps(xb + r * ldx), x1 = _mm512_loadu_ps(xb + r * ldx + 16);
+            for (int i = 0; i < nw; ++i) {
+                a[i][r] = _mm512_fmadd_ps(v[i][0], x0, a[i][r]);
+                a[i][r] = _mm512_fmadd_ps(v[i][1], x1, a[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < nw; ++i)
+        for (int r = 0; r < mr; ++r) acc[i * mr + r] = a[i][r];
+}
+
+/* weight rows [n0, n1) (at most WIDE_NC) against x rows 0 .. mr-1 into y[r * ldy + n]; the format and
+ * mr are constants where this is inlined (the accumulators then live in registers) */
+AVX512 static inline __attribute__((always_inline)) void wide_rows(const int fmt, const int mr, const uint8_t *w,
+                                                                  int64_t row_bytes, int64_t n0, int64_t n1,
+                                                                  int64_t nb, const float *x, int64_t ldx, float *y,
+                                                                  int64_t ldy) {
+    const int nw = WIDE_ACC / mr < WIDE_NW ? WIDE_ACC / mr : WIDE_NW;
+    const int64_t per = XSLICE / ((int64_t)mr * QK * (int64_t)sizeof(float)); /* blocks per slice, at most */
+    const int64_t slices = (nb + per - 1) / per, slice = (nb + slices - 1) / slices;
+    __m512 park[WIDE_NC * WIDE_MR]; /* accumulator (n - n0) * mr + r */
+    for (int64_t j = 0; j < (n1 - n0) * mr; ++j) park[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += slice) {
+        const int64_t b1 = nb - b0 < slice ? nb : b0 + slice;
+        int64_t n = n0;
+        for (; n + nw <= n1; n += nw)
+            wide_512(fmt, nw, mr, w + n * row_bytes, row_bytes, b0, b1, x, ldx, park + (n - n0) * mr);
+        for (; n < n1; ++n) wide_512(fmt, 1, mr, w + n * row_bytes, row_bytes, b0, b1, x, ldx, park + (n - n0) * mr);
+    }
+    for (int64_t n = n0; n < n1; ++n)
+        for (int r = 0; r < mr; ++r) y[r * ldy + n] = hsum_pair(park[(n - n0) * mr + r]);
+}
+
+/* wide_rows for 2 <= mr <= WIDE_MR and a 32-element format */
+AVX512 static void wide_tile(int fmt, int mr, const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t nb,
+                             const float *x, int64_t ldx, float *y, int64_t ldy) {
+#define WR_(F, R) wide_rows(F, R, w, row_bytes, n0, n1, nb, x, ldx, y, ldy)
+#define WF_(R) (fmt == FMT_Q4_0 ? WR_(FMT_Q4_0, R) : fmt == FMT_Q4_1 ? WR_(FMT_Q4_1, R) : WR_(FMT_Q8_0, R))
+    switch (mr) {
+    case 8: WF_(8); break; case 7: WF_(7); break; case 6: WF_(6); break; case 5: WF_(5); break;
+    case 4: WF_(4); break; case 3: WF_(3); break; default: WF_(2); break;
+    }
+#undef WF_
+#undef WR_
+}
+
 /* y [M, N] (rows ldy apart) = x [M, K] @ W.T for W [N, K] in `fmt` blocks, rows row_bytes apart.
  * mode DI_Q_EXACT reads x (fp32, rows ldx apart); DI_Q_INT8 reads qx/xs/xsum from
  * di_q8_quantize_rows. level: 1 = AVX2 where the CPU has it, 0 = scalar. Threads split N in chunks. */
@@ -372,7 +459,7 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
     const int64_t nb = K / QK;
     /* chunks of NC weight rows: a chunk's blocks and a tile's activations both stay in L1 while
      * every tile of x sweeps the chunk (n innermost was 2x slower at 128 rows: x re-read from L2) */
-    enum { NC = 16 };
+    enum { NC = WIDE_NC };
     const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) if (chunks > 1 && M * N * K >= 32768)
     for (int64_t c = 0; c < chunks; ++c) {
@@ -381,7 +468,16 @@ int di_qgemm(int mode, int level, const float *x, int64_t ldx, const int8_t *qx,
             di_qi8_chunk(fmt, avx2 ? cpu : 0, w, row_bytes, c * NC, n1, qx, xs, xsum, M, K, y, ldy);
             continue;
         }
-        for (int64_t r0 = 0; r0 < M; r0 += MR) {
+        int64_t r0 = 0;
+        if (avx512 && be == QK && M >= 2) { /* even tiles of 2 .. WIDE_MR rows (wide_tile) */
+            const int64_t tiles = (M + WIDE_MR - 1) / WIDE_MR, tm = (M + tiles - 1) / tiles;
+            for (; r0 < M; r0 += tm) {
+                const int mr = M - r0 < tm ? (int)(M - r0) : (int)tm;
+                if (mr < 2) break; /* a last single row: the one-row code below */
+                wide_tile(fmt, mr, w, row_bytes, c * NC, n1, nb, x + r0 * ldx, ldx, y + r0 * ldy, ldy);
+            }
+        }
+        for (; r0 < M; r0 += MR) {
             const int mr = M - r0 < MR ? (int)(M - r0) : MR;
             int64_t n = c * NC;
             /* one row of x, 4-bit formats: NR weight rows at a time, then the rest one by one. Not Q8_0:
