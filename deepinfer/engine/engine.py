@@ -25,6 +25,7 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_pools import make_kv
 from deepinfer.engine.draft_model import DRAFT_KEY
 from deepinfer.engine.drafter import NgramDrafter, SuffixIndex
+from deepinfer.engine.host_memory import keep_freed_memory
 from deepinfer.engine.input_processor import InputProcessor, PromptType
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor
@@ -157,6 +158,8 @@ class Engine:
         self.dtype = _resolve_dtype(cfg.dtype, self.device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's activations reused from the heap, not page-faulted anew (host_memory.py)
         quant_mode = _quant_mode(cfg.dtype, self.device)
         tensor_filter = None
         if cfg.expert_parallel_size > 1:  # this process reads only what it will run of the checkpoint
