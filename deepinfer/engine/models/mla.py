@@ -30,6 +30,14 @@ from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.layers import RMSNorm, RotaryEmbedding
 from deepinfer.errors import ModelLoadError
 
+# From this many tokens up the absorbed per-head projections run as one linear per head (row-strided
+# views in, no copies) instead of one batched bmm: at 2048 rows (a batch-128 prefill of 16-token
+# prompts) torch's bmm on the transposed head views took 15-19 ms a projection where the H linears
+# took 2-3 ms (V3-shaped model, 2 threads, the same bits), 1.05x end to end (benchmarks/moe.py's
+# V3 model, batch 128, in-process A/B, quiet window); at 1024 rows 0.9-1.0x of the bmm's time, at
+# 512 even, and below it the bmm wins (H calls' overhead: 0.11 vs 0.04 ms at 32 rows).
+PER_HEAD_MIN_ROWS = 1024
+
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's interleaved rope pairs in the
@@ -116,10 +124,11 @@ class MlaAttention(nn.Module):
             q_pe = deinterleave(q_pe)
         q_full = torch.empty(T, H, self.r + self.rope_dim, dtype=x.dtype, device=x.device)
         q_full[..., self.r :] = self.rotary.apply(q_pe, rope)
-        per_head = meta.attention_fn is not None or x.device.type != "cpu"  # batch-invariant mode (or not CPU)
+        # batch-invariant mode (or not CPU), or many rows
+        per_head = meta.attention_fn is not None or x.device.type != "cpu" or T >= PER_HEAD_MIN_ROWS
         if per_head:  # each head through the packed, row-invariant linear
             for h in range(H):
-                q_full[:, h, : self.r] = meta.linear(q[:, h, : self.nope].contiguous(), self.uk_t[h], None)
+                q_full[:, h, : self.r] = meta.linear(q[:, h, : self.nope], self.uk_t[h], None)
         else:  # one batched GEMM over the heads (2H calls cost 25% of a batch-8 decode step as linears)
             # into a fresh [H, T, r], then copied: bmm's out= into the transposed view measured 2.5x slower
             q_full[..., : self.r] = torch.bmm(q[..., : self.nope].transpose(0, 1), self.uk_stack).transpose(0, 1)
@@ -129,7 +138,7 @@ class MlaAttention(nn.Module):
         out = torch.empty(T, H, self.v_dim, dtype=x.dtype, device=x.device)
         if per_head:
             for h in range(H):
-                out[:, h] = meta.linear(o[:, h, : self.r].contiguous(), self.uv[h], None)
+                out[:, h] = meta.linear(o[:, h, : self.r], self.uv[h], None)
         else:
             out = torch.bmm(o[..., : self.r].transpose(0, 1), self.uv_stack).transpose(0, 1).contiguous()
         return self._proj("o", out.view(T, H * self.v_dim), self.o_weight, meta)
