@@ -47,9 +47,6 @@ from deepinfer_kernels import native, quant
 # row kernel (AVX-512) vs outer kernel (AVX-512): at 8 rows 0.062 / 0.249 / 0.081 / 2.78 vs 0.084 /
 # 0.359 / 0.119 / 4.65; at 12 rows 0.077 / 0.362 / 0.117 / 4.80 vs 0.075 / 0.365 / 0.122 / 5.52 (even);
 # at 16 rows 0.095 / 0.478 / 0.155 / 5.71 vs 0.072 / 0.363 / 0.125 / 4.99 (1.15-1.32x), so 16 stays.
-# (Those row-kernel figures predate qgemm.c's wide AVX-512 tiles, which took a pass over 30 distinct
-# layers' qkv + o + gate_up + down from 19.8 to 14.5 ms at 12 rows and 14.2 to 9.3 at 8; the row kernel
-# against the outer kernel at 16-32 rows has not been measured since.)
 # Earlier, at 1 thread on an AVX2-only Zen 3 host, ms: at 16 rows outer 0.41 / 0.98 / 0.49 vs the exact
 # row-or-panel path 0.40 / 1.08 / 0.58; at 32 rows 0.52 / 1.69 / 0.94 vs 0.68 / 2.20 / 1.42; at 128 rows
 # 1.73 / 6.65 / 3.33 vs 2.60 / 8.35 / 5.23, where the fp32 path's oneDNN GEMM on the dequantised weights
@@ -80,6 +77,18 @@ BF16_M = 16
 # row kernel on the layers (1.5-1.7x) but not on the LM head (0.81x); below 16 the row kernels (and the
 # native decode stack, whose calls stop at quant.PANEL_M rows) stay, so this must stay >= PANEL_M.
 INT8_OUTER_M = 16
+# Q4_0 / Q4_1 weights run it from fewer rows, in QuantLinear and in the native decode stack alike (the
+# same bits either way, so no result depends on it). Same host, quiet window, 2 threads, medians of 11,
+# int8 row kernel / outer kernel (its 4 x 2 tile) on SmolLM2's Q4_1 qkv / gate_up / down: at 6 rows
+# 0.95 / 1.04 / 1.01, at 8 rows 1.40 / 1.48 / 1.34, at 12 rows 1.89 / 2.13 / 1.95. The row
+# kernel reads Q8_0's bytes without unpacking nibbles, so there the outer kernel only paid from 10-12 rows
+# (8 rows: 1.02 / 1.01 / 0.85); Q8_0 (and the vocab-sized Q8_0 LM head) keeps INT8_OUTER_M.
+INT8_OUTER_M_Q4 = 8
+
+
+def int8_outer_rows(fmt: int) -> int:
+    """Rows from which the int8 mode runs quant.qlinear_int8_outer on a weight of block format fmt."""
+    return INT8_OUTER_M_Q4 if fmt in (quant.Q4_0, quant.Q4_1) else INT8_OUTER_M
 
 
 class QuantLinear:
@@ -100,17 +109,18 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         key = w.data_ptr()
+        m = x.shape[0] if x.dim() == 2 else 0
+        qw = self.table.get(key)
+        if self.mode == "int8" and qw is not None and m >= int8_outer_rows(qw.fmt) and quant.int8_outer_ready(qw):
+            return quant.qlinear_int8_outer(x, qw, b)  # the row kernel's bits: invariant mode too
         rows = self.rows.get(key)
-        if rows is not None and x.dim() == 2 and x.shape[0] < quant.PANEL_M:
+        if rows is not None and 0 < m < quant.PANEL_M:
             y = rows(x)
             return y if b is None else y.add_(b)
-        qw = self.table.get(key)
         if qw is None or x.dim() != 2:
             if self.invariant:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
-        if self.mode == "int8" and x.shape[0] >= INT8_OUTER_M and quant.int8_outer_ready(qw):
-            return quant.qlinear_int8_outer(x, qw, b)  # the row kernel's bits: invariant mode too
         if not self.invariant:
             if self.mode == "bf16" and x.shape[0] >= BF16_M:
                 return quant.qlinear_bf16(x, qw, b)

@@ -110,6 +110,8 @@ int di_qgemm_outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w, 
 /* rows from which the int8 mode runs the vpdpbusd outer kernel, as QuantLinear (INT8_OUTER_M); the
  * same bits as the row path, so this only picks the faster kernel */
 #define DS_OUTER_ROWS 16
+/* Q4_0 / Q4_1 weights from fewer rows (quant_linear.py INT8_OUTER_M_Q4, where the figures are) */
+#define DS_OUTER_ROWS_Q4 8
 
 /* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's call in this mode (exact, below PANEL_M rows:
  * RowKernel; int8: qlinear's quantise-then-integer-dot path, level 1, or from DS_OUTER_ROWS rows
@@ -120,7 +122,7 @@ static int project(const di_ds_model *m, const scratch *s, const di_ds_weight w,
     const int64_t N = w[3], K = w[4];
     if (m->mode == DI_Q_EXACT) {
         rc = di_qgemm_exact_bound(w, x, M, y);
-    } else if (M >= DS_OUTER_ROWS &&
+    } else if (M >= ((w[2] == FMT_Q4_0 || w[2] == FMT_Q4_1) ? DS_OUTER_ROWS_Q4 : DS_OUTER_ROWS) &&
                !di_qgemm_outer_i8(x, K, M, (const uint8_t *)(intptr_t)w[0], w[1], (int)w[2], N, K, y, N)) {
         rc = 0;
     } else {

@@ -63,8 +63,8 @@ def _reference(x: torch.Tensor, qw: quant.QuantWeight) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m,n", [(16, 37), (47, 16), (49, 1), (101, 50), (130, 33)])
 def test_int8_outer_is_the_int8_row_kernel_bit_for_bit(fmt, m, n):
-    # m: one panel of 32 rows, one and a ragged second, two past it, several with a ragged last one;
-    # n: not a multiple of the 16-row weight group, the 4-row register tile or the 8 x 8 output transpose
+    # m: within one tile of 48 rows, one past it, several panels with a ragged last one; n: not a
+    # multiple of the 16-row weight group or the 4-row register tile
     qw, x = _case(fmt, m, n)
     y = quant.qlinear_int8_outer(x, qw)
     assert torch.equal(y, quant.qlinear(x, qw, mode="int8"))
@@ -84,7 +84,7 @@ def test_int8_outer_rows_do_not_depend_on_the_batch(fmt):
 
 @needs_vnni
 def test_int8_outer_several_passes_and_bias():
-    # K = 2048: a pass covers 320 rows of x (its xT slice stays under 640 KB), so 700 rows take three
+    # K = 2048: a pass covers 288 rows of x (its xT slice stays under 640 KB), so 700 rows take three
     qw, x = _case(quant.Q4_1, 700, 21, k=2048)
     bias = torch.randn(21)
     y = quant.qlinear_int8_outer(x, qw, bias)
@@ -118,20 +118,23 @@ def test_int8_outer_refuses_bad_input():
 
 
 @pytest.mark.parametrize("invariant", [False, True])
-def test_quant_linear_int8_mode_runs_it_from_int8_outer_m(monkeypatch, invariant):
+@pytest.mark.parametrize("fmt", [quant.Q4_1, quant.Q8_0])
+def test_quant_linear_int8_mode_runs_it_from_int8_outer_m(monkeypatch, invariant, fmt):
     from deepinfer.engine import quant_linear
     from deepinfer.engine.placeholder import placeholder
 
-    qw, x = _case(quant.Q4_1, 2 * quant_linear.INT8_OUTER_M + 3, 35)
+    start = quant_linear.int8_outer_rows(fmt)
+    assert start == (quant_linear.INT8_OUTER_M_Q4 if fmt == quant.Q4_1 else quant_linear.INT8_OUTER_M)
+    qw, x = _case(fmt, 2 * quant_linear.INT8_OUTER_M + 3, 35)
     ph = placeholder(qw.shape)
     lin = quant_linear.QuantLinear({ph.data_ptr(): qw}, mode="int8", invariant=invariant)
     calls = []
     real = quant.qlinear_int8_outer
     monkeypatch.setattr(quant, "qlinear_int8_outer", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     row = quant.qlinear(x, qw, mode="int8")
-    for m in (1, quant_linear.INT8_OUTER_M - 1, quant_linear.INT8_OUTER_M, x.shape[0]):
+    for m in (1, start - 1, start, x.shape[0]):
         assert torch.equal(lin(x[:m], ph), row[:m]), m  # the row kernel's bits at every M
-    assert calls == ([quant_linear.INT8_OUTER_M, x.shape[0]] if quant.int8_outer_ready(qw) else [])
+    assert calls == ([start, x.shape[0]] if quant.int8_outer_ready(qw) else [])
     # without VNNI: today's paths (the exact outer kernel in the default mode, the row kernel invariant)
     calls.clear()
     quant.set_level_cap(1)
