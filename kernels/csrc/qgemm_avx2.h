@@ -54,6 +54,16 @@ AVX2 static inline __attribute__((always_inline)) void fma32_rows(const __m256 *
     }
 }
 
+/* the weight rows n0 + wr .. n0 + 2 wr (of N, row_bytes apart) into L2: the outer kernels (qgemm_bf16.c,
+ * qgemm_i8_outer.c) fetch the next group's bytes while this group's tiles run, as the dequantiser
+ * otherwise waits on DRAM for each row once 30 layers' weights stream (perf, qgemm_i8_outer.c's
+ * unpack_group: most of its samples on the weight loads) */
+static inline void prefetch_next_group(const uint8_t *w, int64_t row_bytes, int64_t n0, int64_t N, int64_t wr) {
+    const int64_t rows = N - n0 - wr < wr ? N - n0 - wr : wr;
+    const char *p = (const char *)(w + (n0 + wr) * row_bytes);
+    for (int64_t o = 0; o < rows * row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
 /* 8 x 8 transpose of 32-bit elements: dst[c * lds + r] = src[r * ldr + c] (moves bits only: the outer
  * kernels transpose fp32 x (qgemm_outer.c), bf16 pairs of x (qgemm_bf16.c) and int8 quads of x (qgemm_i8_outer.c) with it) */
 AVX2 static inline void transpose8(const float *src, int64_t ldr, float *dst, int64_t lds) {

@@ -114,11 +114,7 @@ BF16 static int outer_bf16(const float *x, int64_t ldx, int64_t M, const uint8_t
                     if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wf + j * K);
                     else memset(wf + j * K, 0, sizeof(float) * (size_t)K);
                 }
-                /* the next group's weight bytes into L2 while this one's tiles run (as qgemm_i8_outer.c:
-                 * the dequantiser otherwise waits on DRAM for each row once 30 layers' weights stream) */
-                const int64_t next = N - n0 - WR < WR ? N - n0 - WR : WR;
-                for (int64_t o = 0; o < next * row_bytes; o += 64)
-                    _mm_prefetch((const char *)(w + (n0 + WR) * row_bytes) + o, _MM_HINT_T1);
+                prefetch_next_group(w, row_bytes, n0, N, WR);
                 round_bf16(wf, WR * K, wb);
                 const uint32_t *wp = (const uint32_t *)wb;
                 OUTER_GROUP_TILES(tile_bf16, wp, K2, xP, ldt, m0, m1, nj, y + n0, ldy);

@@ -106,12 +106,6 @@ AVX2 static void unpack_group(int fmt, const uint8_t *w, int64_t rb, int64_t n0,
     }
 }
 
-/* the next group's weight bytes into L2 while this group's tiles run: unpack_group otherwise waited on
- * DRAM for every row (perf: most of its samples on the weight loads once 30 layers' weights stream) */
-static inline void prefetch_rows(const uint8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
-}
-
 #define I8 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 /* ot[j][r] (rows PR apart) for j0 <= j < j0 + tj, r < 16 xv: x rows r0 .. (lanes of xv vectors) against weight
@@ -271,7 +265,7 @@ I8 static int outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w,
                 const int64_t n0 = gi * WR;
                 const int nj = N - n0 < WR ? (int)(N - n0) : WR;
                 unpack_group(fmt, w, rb, n0, nj, K, &g);
-                prefetch_rows(w + (n0 + WR) * rb, (N - n0 - WR < WR ? N - n0 - WR : WR) * rb);
+                prefetch_next_group(w, rb, n0, N, WR);
                 for (int64_t r = m0; r < m1; r += PR) {
                     const int mr = m1 - r < PR ? (int)(m1 - r) : PR;
                     group_fmt(fmt, &g, nj, K, &X, r, mr, y + r * ldy + n0, ldy);
