@@ -270,7 +270,7 @@ class EpRunner(RankRunners):
             try:
                 c.send(m)
             except (BrokenPipeError, OSError):
-                self._fail(r, f"expert-parallel worker rank {r} is gone (exit code {self.procs[r].exitcode})")
+                self._died(r, "a send")  # the same error as a death seen while collecting
 
     def _collect(self, what: str, timeout: float) -> list:
         """Every rank's reply, or DistributedWorkerError naming the rank that died, hung or failed."""
