@@ -83,11 +83,12 @@ def hf_reference_model(model: str | None = None):
     return hf, loaded.tokenizer
 
 
-def save_random_moe(model, path: str) -> str:
-    """Random MoE weights with clear routing winners (router rows wider than the rest), saved as an HF dir."""
+def save_random_moe(model, path: str, dtype: torch.dtype = torch.float32) -> str:
+    """Random MoE weights with clear routing winners (router rows wider than the rest), saved as an HF dir
+    in `dtype` (the model is left in that dtype)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.3 if name.endswith("gate.weight") else 0.03)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     return path

@@ -17,11 +17,17 @@ packed linear (oneDNN on AVX2 CPUs). grouped/dense is given against each.
 
 `--per-expert` also runs the engine as it was before the grouped expert kernel (MoE experts as one
 oneDNN GEMM pair per active expert, expert_kernels not installed) in the same run, for before/after.
+`--checkpoint bfloat16` saves both models in bf16, as real DeepSeek / Qwen MoE checkpoints ship, and runs
+each system its default way on it: transformers computes in bf16 (`from_pretrained`'s dtype "auto"),
+DeepInfer keeps the routed experts in bf16 as stored (moe_expert_dtype "auto", exactly the fp32 path's
+bits) and computes in fp32. The default (`float32`) is the like-for-like fp32 comparison.
+
 `--bf16-experts` also runs the engine with `moe_expert_dtype="bfloat16"` (the routed experts' packed
 weights in bf16, widened exactly, fp32 accumulation; everything else fp32) against the same fp32
 transformers: a precision choice, so it is its own column, never the headline ratio.
 
-    python benchmarks/moe.py [--batches 1 8 32 128] [--new-tokens 8] [--repeats 2] [--models v3 qwen3] [--per-expert] [--bf16-experts]
+    python benchmarks/moe.py [--batches 1 8 32 128] [--new-tokens 8] [--repeats 2] [--models v3 qwen3] [--per-expert]
+                             [--bf16-experts] [--checkpoint float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from deepinfer import Engine, SamplingParams
 PROMPT_LEN = 16
 
 
-def build(kind: str, root: str) -> str:
+def build(kind: str, root: str, dtype: torch.dtype = torch.float32) -> str:
     import transformers
     from model_factory import make_tokenizer_files
 
@@ -65,7 +71,7 @@ def build(kind: str, root: str) -> str:
         cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(0)
     model = cls(cfg).float().eval()
-    return save_random_moe(model, path)
+    return save_random_moe(model, path, dtype)
 
 
 _draws = 0
@@ -117,7 +123,10 @@ def gemm_rates(engine: Engine, tokens: int, repeats: int) -> tuple[float, float,
     down = torch.randn(block.hidden, block.inter) * 0.03
     from deepinfer.engine.cpu_linear import CpuLinear
 
-    dense_lin = CpuLinear([down], gated=[gu], backend=getattr(lin, "backend", None)) if hasattr(lin, "backend") else lin
+    # the dense reference in the engine's own arithmetic (fp32, or bf16 dot products under dtype="bfloat16")
+    bf16_dot = engine.precision == "bfloat16-dot"
+    dense_lin = CpuLinear([down], gated=[gu], backend=getattr(lin, "backend", None), bf16_dot=bf16_dot) \
+        if hasattr(lin, "backend") else lin
     dmeta = ForwardContext(slot_mapping=meta.slot_mapping, linear=dense_lin, silu_mul=getattr(dense_lin, "silu_mul", None))
     xr = torch.randn(rows, block.hidden) * 0.5
 
@@ -134,7 +143,7 @@ def gemm_rates(engine: Engine, tokens: int, repeats: int) -> tuple[float, float,
         from deepinfer.engine.expert_kernels import NativeGatedMlp, native_experts_available
 
         if native_experts_available():
-            native = NativeGatedMlp(gu, down)
+            native = NativeGatedMlp(gu, down, bf16_dot=bf16_dot)
     except (ImportError, RuntimeError):
         native = None
     arms = [lambda: block.grouped_experts(x, idx, meta), dense] + ([lambda: native(xr)] if native else [])
@@ -183,38 +192,50 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--per-expert", action="store_true", help="also run the per-expert GEMM path (before/after)")
     ap.add_argument("--bf16-experts", action="store_true", help="also run with moe_expert_dtype='bfloat16'")
+    ap.add_argument("--bf16-dot", action="store_true", help="also run with dtype='bfloat16' (bf16 dot products)")
+    ap.add_argument("--checkpoint", choices=["float32", "bfloat16"], default="float32",
+                    help="the dtype the random models are saved in (bfloat16: as real MoE checkpoints ship)")
     args = ap.parse_args()
     import transformers
 
+    ckpt = getattr(torch, args.checkpoint)
     print(f"threads={torch.get_num_threads()} new_tokens={args.new_tokens} prompt={PROMPT_LEN} best of {args.repeats} "
-          "(shared, loaded machine: compare the ratios, not the absolute figures)")
+          f"checkpoint={args.checkpoint} (transformers computes in {args.checkpoint}, DeepInfer in fp32 with the "
+          "checkpoint's weights as stored; shared, loaded machine: compare the ratios, not the absolute figures)")
     with tempfile.TemporaryDirectory() as root:
         for kind in args.models:
-            path = build(kind, root)
+            path = build(kind, root, ckpt)
             engine = Engine(path, kv_cache_memory=256 << 20)
             old = per_expert_engine(path) if args.per_expert else None
             half = Engine(path, kv_cache_memory=256 << 20, moe_expert_dtype="bfloat16") if args.bf16_experts else None
-            hf = None if args.no_hf else transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            dot = Engine(path, kv_cache_memory=256 << 20, dtype="bfloat16") if args.bf16_dot else None
+            hf = None if args.no_hf else transformers.AutoModelForCausalLM.from_pretrained(path, dtype=ckpt).eval()
             vocab = engine.model_config.vocab_size
-            for e in (engine, old, half):
+            for e in (engine, old, half, dot):
                 if e is not None:
                     e.generate(prompts(2, vocab), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
             name = {"v3": "DeepSeek-V3-shaped", "qwen3": "Qwen3-MoE-shaped"}[kind]
             print(f"\n{name}: {engine.model_config.num_hidden_layers} layers, hidden {engine.model_config.hidden_size}, "
                   f"{engine.model_config.moe.num_experts} experts top-{engine.model_config.moe.top_k}, "
-                  f"linear={getattr(engine.runner.linear, 'backend', 'torch')}")
+                  f"linear={getattr(engine.runner.linear, 'backend', 'torch')}; resident weights "
+                  f"{engine.stats.weight_bytes / 2**20:.0f} MiB = {engine.stats.weight_bytes / engine.stats.checkpoint_bytes:.2f}x "
+                  f"the checkpoint's {engine.stats.checkpoint_bytes / 2**20:.0f} MiB")
             extra = f" {'per-expert tok/s':>17} {'ratio':>7} {'grouped/per-expert':>19}" if old is not None else ""
             if half is not None:
                 extra += f" {'bf16-experts tok/s':>18} {'vs hf':>6} {'vs fp32':>7}"
+            if dot is not None:
+                extra += f" {'bf16-dot tok/s':>14} {'vs hf':>6} {'vs fp32':>7}"
             print(f"{'batch':>6} {'deepinfer tok/s':>16} {'hf tok/s':>10} {'ratio':>7}{extra}", flush=True)
             for b in args.batches:
-                best_o = best_h = best_p = best_b = 0.0
+                best_o = best_h = best_p = best_b = best_d = 0.0
                 for _ in range(args.repeats):  # fresh prompts (same length) for every arm and repeat
                     best_o = max(best_o, ours(engine, prompts(b, vocab), args.new_tokens))
                     if old is not None:
                         best_p = max(best_p, ours(old, prompts(b, vocab), args.new_tokens))
                     if half is not None:
                         best_b = max(best_b, ours(half, prompts(b, vocab), args.new_tokens))
+                    if dot is not None:
+                        best_d = max(best_d, ours(dot, prompts(b, vocab), args.new_tokens))
                     if hf is not None:
                         best_h = max(best_h, theirs(hf, prompts(b, vocab), args.new_tokens))
                 ratio = f"{best_o / best_h:7.2f}" if best_h else "      -"
@@ -225,9 +246,12 @@ def main() -> None:
                 if half is not None:
                     r_half = f"{best_b / best_h:6.2f}" if best_h else "     -"
                     line += f" {best_b:>18.1f} {r_half} {best_b / best_o:>7.2f}"
+                if dot is not None:
+                    r_dot = f"{best_d / best_h:6.2f}" if best_h else "     -"
+                    line += f" {best_d:>14.1f} {r_dot} {best_d / best_o:>7.2f}"
                 print(line, flush=True)
             for label, e in (("grouped expert kernel", engine), ("per-expert GEMMs", old),
-                             ("grouped expert kernel, bf16 weights", half)):
+                             ("grouped expert kernel, bf16 weights", half), ("grouped expert kernel, bf16 dot", dot)):
                 if e is None:
                     continue
                 g, d, dn = gemm_rates(e, args.gemm_tokens, args.repeats)
@@ -241,7 +265,7 @@ def main() -> None:
                 print(f"KV bytes/token: MLA latent {ours_b} vs per-head K/V {per_head} ({per_head / ours_b:.1f}x smaller)")
             else:
                 print(f"KV bytes/token: GQA {ours_b}")
-            del engine, hf, old, half
+            del engine, hf, old, half, dot
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ x[t], computed in one call (a counting sort by expert, every active expert's gat
 torch definition. Given the routing weights it also combines the slots in the same call ([T, H]:
 products rounded, summed in slot order, + an optional addend: torch's combine, bit for bit), and an
 `extra` stack (a shared expert's chunks) runs as expert ids past the stack's.
+`pack_experts_bf16_dot` packs for bf16 dot products instead (Engine(dtype="bfloat16"): csrc/gemm_bf16dot.c's
+di_moe_experts_bf16dot, the dense bf16-dot GEMM's tiles per expert group, same call and combine).
 `pack_linear` / `linear` are a plain projection x @ W.T on the same register tile
 (for the MoE models' other projections on CPUs where the shared panel GEMM's tile spills). Each output element is one multiply-add chain over k in order, so a pair's result
 does not depend on which other tokens share its expert (batch-invariant).
@@ -27,7 +29,7 @@ from .errors import KernelInputError
 
 def _configure(lib) -> None:
     i64, fp = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.di_moe_experts_f32, lib.di_moe_experts_bf16):
+    for fn in (lib.di_moe_experts_f32, lib.di_moe_experts_bf16, lib.di_moe_experts_bf16dot):
         fn.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, fp, fp, i64, i64, fp, fp, i64, fp, fp, i64, fp, i64]
         fn.restype = ctypes.c_int
     lib.di_moe_nr.restype = ctypes.c_int
@@ -67,13 +69,16 @@ def set_prefetch_next(on: bool) -> None:
 @dataclass(frozen=True)
 class PackedExperts:
     """E experts' weights in panels: gate_up [E, 2P_I, H, NR] (gate and up panels interleaved),
-    down [E, P_H, I, NR], float32 or bfloat16 (`weights`)."""
+    down [E, P_H, I, NR], float32 or bfloat16 (`weights`). bf16_dot: bf16 pair panels instead (per
+    expert native.pack_gated_weight / pack_weight(bf16_dot=True)'s layout, 48 columns: gate_up
+    [E, 2P_I, ceil(H/2), 48, 2], down [E, P_H, ceil(I/2), 48, 2]), run as bf16 dot products."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     num_experts: int
     hidden: int
     inter: int
+    bf16_dot: bool = False
 
     @property
     def weights(self) -> torch.dtype:
@@ -124,9 +129,36 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True,
     return PackedExperts(gu, d, e, h, i)
 
 
+def pack_experts_bf16_dot(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True) -> PackedExperts:
+    """gate_up [E, 2I, H], down [E, H, I] (fp32) -> PackedExperts for bf16 dot products (bf16_dot=True):
+    the weights rounded to bf16 (native.to_bf16_dot) in native's pair panels, one expert after another.
+    `moe_experts` then rounds x, and the gated intermediate, to bf16 and accumulates in fp32
+    (csrc/gemm_bf16dot.c, di_moe_experts_bf16dot)."""
+    _check_stack("gate_up", gate_up)
+    _check_stack("down", down)
+    e, i2, h = gate_up.shape
+    if i2 % 2 or tuple(down.shape) != (e, h, i2 // 2) or e == 0 or h == 0 or i2 == 0:
+        raise KernelInputError(f"pack_experts_bf16_dot: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} "
+                               "are not [E, 2I, H] and [E, H, I]")
+    gu = torch.stack([native.pack_gated_weight(gate_up[j].contiguous(), bf16_dot=True).panels for j in range(e)])
+    d = torch.stack([native.pack_weight(down[j].contiguous(), bf16_dot=True).panels for j in range(e)])
+    if huge:
+        gu, d = huge_pages.copy(gu), huge_pages.copy(d)
+    return PackedExperts(gu, d, e, h, i2 // 2, bf16_dot=True)
+
+
 def unpack_experts(packed: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 stacks gate_up [E, 2I, H] and down [E, H, I] that `packed` holds (bf16 panels: their
     exact fp32 values), so the packed copy can be the only one kept."""
+    if packed.bf16_dot:
+        def pair_rows(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:  # [E, P, Kp, 48, 2] -> [E, n, k]
+            e, p, kp, nr, _ = panels.shape
+            return panels.permute(0, 1, 3, 2, 4).reshape(e, p * nr, kp * 2)[:, :n, :k].float()
+
+        e, i, h = packed.num_experts, packed.inter, packed.hidden
+        gu = packed.gate_up.view(e, packed.gate_up.shape[1] // 2, 2, *packed.gate_up.shape[2:])
+        gate_up = torch.cat([pair_rows(gu[:, :, 0], i, h), pair_rows(gu[:, :, 1], i, h)], 1).contiguous()
+        return gate_up, pair_rows(packed.down, h, i).contiguous()
 
     def rows(panels: torch.Tensor, n: int) -> torch.Tensor:  # [E, P, K, nr] -> [E, n, K]
         e, p, k, nr = panels.shape
@@ -156,9 +188,11 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts, extra
             or idx.dtype not in (torch.int64, torch.int32):
         raise KernelInputError(f"moe_experts: idx must be an integer CPU tensor [{x.shape[0]}, k], got "
                                f"{getattr(idx, 'dtype', type(idx).__name__)} {tuple(getattr(idx, 'shape', ()))}")
-    if extra is not None and (extra.hidden, extra.inter, extra.weights) != (packed.hidden, packed.inter, packed.weights):
-        raise KernelInputError(f"moe_experts: extra experts are {extra.weights} [H={extra.hidden}, I={extra.inter}], "
-                               f"the stack is {packed.weights} [H={packed.hidden}, I={packed.inter}]")
+    if extra is not None and (extra.hidden, extra.inter, extra.weights, extra.bf16_dot) != \
+            (packed.hidden, packed.inter, packed.weights, packed.bf16_dot):
+        raise KernelInputError(f"moe_experts: extra experts are {extra.weights} (bf16_dot={extra.bf16_dot}) "
+                               f"[H={extra.hidden}, I={extra.inter}], the stack is {packed.weights} "
+                               f"(bf16_dot={packed.bf16_dot}) [H={packed.hidden}, I={packed.inter}]")
     if weights is not None and (not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32
                                 or weights.device.type != "cpu" or tuple(weights.shape) != tuple(idx.shape)):
         raise KernelInputError(f"moe_experts: weights must be float32 CPU {tuple(idx.shape)}, got "
@@ -181,7 +215,9 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts, extra
     if add is not None and (add.stride(1) != 1 or add.stride(0) < packed.hidden):
         add = add.contiguous()
     n_extra = extra.num_experts if extra is not None else 0
-    fn = _lib().di_moe_experts_bf16 if packed.weights == torch.bfloat16 else _lib().di_moe_experts_f32
+    lib = _lib()
+    fn = (lib.di_moe_experts_bf16dot if packed.bf16_dot else
+          lib.di_moe_experts_bf16 if packed.weights == torch.bfloat16 else lib.di_moe_experts_f32)
     rc = fn(x.data_ptr(), x.stride(0), t, k, idx.data_ptr(), packed.num_experts,
             packed.gate_up.data_ptr(), packed.down.data_ptr(), n_extra,
             extra.gate_up.data_ptr() if extra is not None else None, extra.down.data_ptr() if extra is not None else None,

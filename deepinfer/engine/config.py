@@ -75,7 +75,9 @@ class EngineConfig:
     # CPU, the native grouped expert kernel: how the routed experts' packed weights are stored.
     # "bfloat16" halves the bytes a decode step streams (the kernel widens them to fp32 exactly and
     # accumulates in fp32): the expert GEMMs of a batch-32 decode are bound by that stream here.
-    moe_expert_dtype: str = "float32"
+    # "auto": as the checkpoint stores them: bf16 where every routed expert tensor is bf16 (then
+    # exactly the fp32 path's bits, since widening a bf16 value is exact), else fp32.
+    moe_expert_dtype: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
     cache_dir: str | None = None  # where converted models are cached
     # expert parallelism (deepinfer/distributed): N worker processes hold the weights, each only
@@ -108,8 +110,8 @@ class EngineConfig:
             raise bad(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if not (0 < self.kv_cache_fraction <= 0.95):
             raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
-        if self.moe_expert_dtype not in ("float32", "bfloat16"):
-            raise bad(f"moe_expert_dtype must be 'float32' or 'bfloat16', got {self.moe_expert_dtype!r}")
+        if self.moe_expert_dtype not in ("auto", "float32", "bfloat16"):
+            raise bad(f"moe_expert_dtype must be 'auto', 'float32' or 'bfloat16', got {self.moe_expert_dtype!r}")
         if self.kernels not in ("auto", "torch", "tilelang"):
             raise bad(f"kernels must be 'auto', 'torch' or 'tilelang', got {self.kernels!r}")
         if self.speculative not in (None, "ngram", "draft", "mtp"):

@@ -89,10 +89,11 @@ class CpuLinear:
     reallocated after construction."""
 
     def __init__(self, weights: Iterable[torch.Tensor], invariant: bool = False, gated: Iterable[torch.Tensor] = (),
-                 backend: str | None = None):
+                 backend: str | None = None, bf16_dot: bool = False, keep_fp32: Iterable[torch.Tensor] = ()):
         """weights: plain projections; gated: stacked [gate; up] weights used through silu_mul;
         backend: "native" or "onednn" (None: native where it is preferred, see native_gemm_preferred;
-        oneDNN where that is missing, else native)."""
+        oneDNN where that is missing, else native). bf16_dot (native only): packed rounded to bf16 and
+        run as bf16 dot products, except the weights in keep_fp32 (an MoE router's: kept in fp32)."""
         if backend is None:
             backend = "native" if native_gemm_preferred() or not onednn_available() else "onednn"
         self.backend = backend
@@ -106,13 +107,16 @@ class CpuLinear:
             from deepinfer_kernels import native
 
             self._native = native
+            exempt = {w.data_ptr() for w in keep_fp32}
             for w in weights:
                 if ok(w):
-                    self.packed[w.data_ptr()] = native.pack_weight(w)
+                    self.packed[w.data_ptr()] = native.pack_weight(w, bf16_dot=bf16_dot and w.data_ptr() not in exempt)
             for w in gated:
                 if ok(w) and w.shape[0] % 2 == 0:
-                    self.packed_gated[w.data_ptr()] = native.pack_gated_weight(w)
+                    self.packed_gated[w.data_ptr()] = native.pack_gated_weight(w, bf16_dot=bf16_dot)
             return
+        if bf16_dot:
+            raise ValueError("CpuLinear: bf16_dot needs the native backend")
         for w in weights:
             if ok(w):
                 self.packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)

@@ -26,6 +26,7 @@ from deepinfer.engine.kv_pools import make_kv
 from deepinfer.engine.draft_model import DRAFT_KEY
 from deepinfer.engine.drafter import NgramDrafter, SuffixIndex
 from deepinfer.engine.host_memory import keep_freed_memory
+from deepinfer.engine.expert_kernels import native_experts_available
 from deepinfer.engine.input_processor import InputProcessor, PromptType
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor
@@ -73,8 +74,9 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     at load): SmolLM2-135M as an fp32 directory on that host (benchmarks/throughput.py --model, 64 new
     tokens, best of 3) 1.44x / 1.61x / 1.48x / 1.71x float32's tokens/s at batch 1 / 8 / 32 / 128,
     greedy answers equal on 6/8 prompts x 32 tokens, logprobs within 0.061 (benchmarks/bf16_dot.py
-    --accuracy); auto does not pick it. Elsewhere, and for MoE / MLA models (see Engine.__init__), it is
-    torch's bf16 ops, which ran 0.62-0.83x float32 on that host."""
+    --accuracy); auto does not pick it. An MoE model runs the same arithmetic through the grouped expert
+    kernel's bf16-dot build (ModelRunner.moe_bf16_dot). Elsewhere (dense MLA models, expert parallelism,
+    no packing; see Engine.__init__) it is torch's bf16 ops, which ran 0.62-0.83x float32 on that host."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "bfloat16" and device.type == "cpu" and _native_kernels():
@@ -177,11 +179,13 @@ class Engine:
                                       f"{loaded.source} has none")
         if bf16_dot and loaded.quantized and quant_mode:
             bf16_dot = keep_16bit = False  # a GGUF's blocks kept as stored: quant_linear.py's kernels
-        elif bf16_dot and (loaded.config.moe is not None or loaded.config.mla is not None
-                           or cfg.expert_parallel_size > 1 or not cfg.cpu_prepack or not bf16_dot_available()):
-            warnings.warn("dtype='bfloat16' on CPU: the native bf16-dot projections run dense (non-MoE, non-MLA) "
-                          "models with cpu_prepack=True on an AVX-512 CPU only; this model runs torch's bf16 ops "
-                          "instead", RuntimeWarning, stacklevel=2)
+        elif bf16_dot and (cfg.expert_parallel_size > 1 or not cfg.cpu_prepack or not bf16_dot_available()
+                           or (loaded.config.moe is None and loaded.config.mla is not None)
+                           or (loaded.config.moe is not None and (cfg.kernels != "auto" or not native_experts_available()))):
+            warnings.warn("dtype='bfloat16' on CPU: the native bf16-dot projections need cpu_prepack=True and an "
+                          "AVX-512 CPU (MoE models also kernels='auto' and no expert parallelism; not dense MLA models); this "
+                          "model runs "
+                          "torch's bf16 ops instead", RuntimeWarning, stacklevel=2)
             bf16_dot = keep_16bit = False
             self.dtype = torch.bfloat16
         self.model_source = loaded.source

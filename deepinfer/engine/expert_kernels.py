@@ -34,16 +34,21 @@ class NativeExperts(nn.Module):
     """One MoE block's experts packed for `moe_gemm.moe_experts`; callable (x, local ids) -> [T, k, H].
     The packed panels are non-persistent buffers, so the runner's weight_bytes counts them."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.dtype = torch.float32):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.dtype = torch.float32,
+                 bf16_dot: bool = False):
+        """weights: the panels' storage (fp32, or bf16 widened exactly); bf16_dot: bf16 pair panels run
+        as bf16 dot products instead (x and the gated intermediate rounded to bf16, fp32 accumulation:
+        Engine(dtype="bfloat16"))."""
         super().__init__()
         from deepinfer_kernels import moe_gemm
 
         self._kernel = moe_gemm.moe_experts
-        p = moe_gemm.pack_experts(gate_up, down, weights=weights)
+        p = moe_gemm.pack_experts_bf16_dot(gate_up, down) if bf16_dot else moe_gemm.pack_experts(gate_up, down, weights=weights)
         self.register_buffer("packed_gate_up", p.gate_up, persistent=False)
         self.register_buffer("packed_down", p.down, persistent=False)
         self._packed = p
-        self.weights = weights
+        self.weights = p.weights
+        self.bf16_dot = bf16_dot
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self._packed)
@@ -53,7 +58,8 @@ class NativeExperts(nn.Module):
         it as chunks of this stack's shape and storage."""
         chunks = getattr(getattr(mlp, "kernel", None), "chunks", None)
         p = self._packed
-        return chunks is not None and (chunks.hidden, chunks.inter, chunks.weights) == (p.hidden, p.inter, p.weights)
+        return chunks is not None and (chunks.hidden, chunks.inter, chunks.weights, chunks.bf16_dot) == \
+            (p.hidden, p.inter, p.weights, p.bf16_dot)
 
     def combined(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, shared=None,
                  add: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,7 +100,7 @@ class NativeGatedMlp(nn.Module):
     as intermediate / chunk experts of that size (`chunks`), whose outputs summed are the MLP's, so
     NativeExperts.combined can run it in the routed experts' call. One chunk is the plain MLP, the same bits."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, chunk: int | None = None):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, chunk: int | None = None, bf16_dot: bool = False):
         super().__init__()
         from deepinfer_kernels import moe_gemm
 
@@ -105,7 +111,8 @@ class NativeGatedMlp(nn.Module):
             raise ValueError(f"NativeGatedMlp: chunk {chunk} does not divide the intermediate size {inter}")
         m = inter // chunk
         g, u = gate_up[:inter].view(m, chunk, -1), gate_up[inter:].view(m, chunk, -1)
-        p = moe_gemm.pack_experts(torch.cat([g, u], 1).contiguous(), down.view(down.shape[0], m, chunk).transpose(0, 1).contiguous())
+        pack = moe_gemm.pack_experts_bf16_dot if bf16_dot else moe_gemm.pack_experts
+        p = pack(torch.cat([g, u], 1).contiguous(), down.view(down.shape[0], m, chunk).transpose(0, 1).contiguous())
         self.register_buffer("packed_gate_up", p.gate_up, persistent=False)
         self.register_buffer("packed_down", p.down, persistent=False)
         self._packed = p
@@ -148,21 +155,23 @@ def repack(block):
     """The block's expert kernel rebuilt over the experts it holds now (after MoeBlock.swap_experts)."""
     k = block.expert_kernel
     if isinstance(k, NativeExperts):
-        return NativeExperts(*block.stacked_expert_weights(), weights=k.weights)
+        return NativeExperts(*block.stacked_expert_weights(), weights=k.weights, bf16_dot=k.bf16_dot)
     if isinstance(k, TileLangExperts):
         return TileLangExperts(*_stack_in_place(block))
     raise TypeError(f"repack: unknown expert kernel {type(k).__name__}")
 
 
 def install_expert_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str = "auto",
-                           cpu_prepack: bool = True, expert_weights: torch.dtype = torch.float32) -> int:
+                           cpu_prepack: bool = True, expert_weights: torch.dtype = torch.float32,
+                           bf16_dot: bool = False) -> int:
     """Install the grouped expert kernel for this device in every MoeBlock of model; returns how many
     blocks use it (0: they keep the per-expert GEMMs). On CPU only for fp32 with kernels="auto" and
     packing allowed (cpu_prepack, EngineConfig's switch for packed weight copies); expert_weights:
-    the routed experts' packed storage there (EngineConfig.moe_expert_dtype)."""
+    the routed experts' packed storage there (EngineConfig.moe_expert_dtype); bf16_dot: every gated
+    MLP as bf16 dot products instead (Engine(dtype="bfloat16"))."""
     if device.type == "cpu":
         ok = dtype == torch.float32 and kernels == "auto" and cpu_prepack
-        return install_native_experts(model, expert_weights) if ok else 0
+        return install_native_experts(model, expert_weights, bf16_dot=bf16_dot) if ok else 0
     if device.type != "cuda" or kernels == "torch":
         return 0
     from deepinfer.engine.models.moe import MoeBlock
@@ -195,11 +204,12 @@ def native_experts_available() -> bool:
     return moe_gemm.available()
 
 
-def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float32) -> int:
+def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float32, bf16_dot: bool = False) -> int:
     """Pack and install the native expert kernel in every MoeBlock of model (fp32 CPU weights, packed
     as `weights`: float32 or bfloat16); returns how many blocks now use it (0 where the native kernels
     do not build). The model's other gated MLPs (shared experts, dense layers) run on the same kernel
-    as one-expert stacks, in fp32."""
+    as one-expert stacks, in fp32. bf16_dot: all of them (routed, shared, dense) as bf16 dot products
+    (moe_gemm.pack_experts_bf16_dot)."""
     from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
     from deepinfer_kernels import moe_route
@@ -212,7 +222,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
         if not len(b.expert_gate_up) or b.expert_gate_up[0].dtype != torch.float32 or b.expert_gate_up[0].device.type != "cpu":
             continue
         gu, down = b.stacked_expert_weights()
-        b.set_expert_kernel(NativeExperts(gu, down, weights))
+        b.set_expert_kernel(NativeExperts(gu, down, weights, bf16_dot=bf16_dot))
         b.route_kernel = moe_route.route  # the router's logits -> experts and weights, natively too
         del gu, down
         b.release_expert_weights()  # the packed panels are the experts' only copy from here on
@@ -223,7 +233,8 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
         chunk = {id(b.shared): b.inter for b in blocks if b.shared is not None and b.shared.inter % b.inter == 0}
         for m in model.modules():
             if isinstance(m, GatedMLP) and m.gate_up_weight.dtype == torch.float32 and m.gate_up_weight.device.type == "cpu":
-                m.kernel = NativeGatedMlp(m.gate_up_weight.data, m.down_weight.data, chunk=chunk.get(id(m)))
+                m.kernel = NativeGatedMlp(m.gate_up_weight.data, m.down_weight.data, chunk=chunk.get(id(m)),
+                                          bf16_dot=bf16_dot)
         from deepinfer.engine.native_projections import install_native_projections
 
         install_native_projections(model)  # MLA's projections and the routers, on the same tile

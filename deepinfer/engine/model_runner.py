@@ -44,6 +44,17 @@ def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> 
     return block_tables.gather(1, blocks) * block_size + p % block_size
 
 
+def expert_storage_dtype(setting: str, weights: dict) -> torch.dtype:
+    """How the native expert kernel stores the routed experts' packed weights (EngineConfig.moe_expert_dtype):
+    "auto" keeps bf16 where every routed expert tensor in `weights` is bf16 as stored (the loader keeps
+    16-bit tensors under dtype="auto"; widening a bf16 value to fp32 is exact, so the kernel computes the
+    fp32 path's bits from half the bytes), fp32 otherwise (fp16 does not round-trip through bf16)."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    routed = [t for n, t in weights.items() if ".mlp.experts." in n]
+    return torch.bfloat16 if routed and all(t.dtype == torch.bfloat16 for t in routed) else torch.float32
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  quantized: dict | None = None, quant_mode: str | None = None, model_hook=None,
@@ -73,11 +84,15 @@ class ModelRunner:
             split = split_16bit(self.model, weights, model_config, config.cpu_prepack, bf16_dot=bf16_dot)
             if split is not None:
                 weights, self.kept_16bit = split
-        if bf16_dot and self.kept_16bit is None:
+        # an MoE model's bf16 dot products: its gated MLPs on the grouped expert kernel's bf16-dot build,
+        # the other projections on CpuLinear's bf16-dot panels (the routers in fp32)
+        self.moe_bf16_dot = bf16_dot and self.kept_16bit is None and model_config.moe is not None
+        if bf16_dot and self.kept_16bit is None and not self.moe_bf16_dot:
             from deepinfer.errors import ModelLoadError
 
-            raise ModelLoadError("bf16 dot products need a dense model on CPU with native kernels, cpu_prepack=True "
-                                 "and float32 activations")
+            raise ModelLoadError("bf16 dot products need a dense or MoE model on CPU with native kernels, "
+                                 "cpu_prepack=True and float32 activations")
+        expert_storage = expert_storage_dtype(config.moe_expert_dtype, weights)  # before loading converts them
         self.model.load_weights(weights, dtype, device)
         self.model.eval()
         # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
@@ -86,8 +101,12 @@ class ModelRunner:
             from deepinfer.engine.expert_kernels import install_expert_kernels
 
             self.expert_kernel_blocks = install_expert_kernels(
-                self.model, device, dtype, config.kernels, config.cpu_prepack, getattr(torch, config.moe_expert_dtype))
-        if config.moe_expert_dtype != "float32" and device.type == "cpu" and not self.expert_kernel_blocks \
+                self.model, device, dtype, config.kernels, config.cpu_prepack, expert_storage, bf16_dot=self.moe_bf16_dot)
+        if self.moe_bf16_dot and not self.expert_kernel_blocks:
+            from deepinfer.errors import ModelLoadError
+
+            raise ModelLoadError("bf16 dot products on an MoE model need the native grouped expert kernel")
+        if config.moe_expert_dtype == "bfloat16" and device.type == "cpu" and not self.expert_kernel_blocks \
                 and getattr(model_config, "moe", None) is not None:
             from deepinfer.errors import InvalidRequestError
 
@@ -184,6 +203,18 @@ class ModelRunner:
             if lin is not None:
                 self.precision = f"quantized-{quant_mode}"
                 return lin
+        if on_cpu_fp32 and self.config.cpu_prepack and self.moe_bf16_dot:
+            from deepinfer.engine.models.moe import MoeBlock
+
+            # the routers (and Qwen2-MoE's shared-expert gates) stay fp32: routing is chosen on them
+            routers = [w.data for m in self.model.modules() if isinstance(m, MoeBlock)
+                       for w in (m.gate_weight, m.shared_gate_weight) if w is not None]
+            weights, gated = self.model.linear_weights(), self.model.gated_weights()
+            lin = CpuLinear(weights, invariant=invariant, gated=gated, backend="native", bf16_dot=True, keep_fp32=routers)
+            self.precision = "bfloat16-dot"
+            if not invariant or lin.verify_invariance(weights + gated):
+                return lin
+            raise RuntimeError("the native bf16-dot projections were not batch-invariant on this machine")
         if on_cpu_fp32 and self.config.cpu_prepack and packed_gemm_available():
             weights, gated = self.model.linear_weights(), self.model.gated_weights()
             lin = CpuLinear(weights, invariant=invariant, gated=gated)

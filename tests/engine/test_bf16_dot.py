@@ -108,11 +108,46 @@ def test_bfloat16_without_prepack_falls_back_to_torch_bf16_with_a_warning(ckpts)
     assert len(eng.generate(["hello world"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3
 
 
-def test_bfloat16_on_a_moe_model_falls_back_to_torch_bf16_with_a_warning(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen2_moe"])
+def test_bfloat16_on_a_moe_model_runs_bf16_dot_products(tmp_path, arch):
+    """An MoE model (MLA included) in dtype="bfloat16": every gated MLP (routed experts, shared experts,
+    dense layers) on the grouped expert kernel's bf16-dot build, the other projections on bf16-dot
+    panels, the routers (and Qwen2-MoE's shared-expert gates) in fp32; activations, norms, attention
+    and the KV cache fp32. Within TOL of float32, not equal to it, and batch-invariant."""
+    from deepinfer.engine.expert_kernels import NativeExperts, NativeGatedMlp
+    from deepinfer.engine.models.moe import MoeBlock
+    from moe_factory import make_moe_model
+
+    path = str(make_moe_model(tmp_path / arch, arch, seed=2))
+    bf, f32 = Engine(path, dtype="bfloat16", block_size=4, **KW), Engine(path, dtype="float32", block_size=4, **KW)
+    assert bf.precision == "bfloat16-dot" and bf.runner.kv_cache.dtype == torch.float32
+    mods = list(bf.runner.model.modules())
+    experts = [m for m in mods if isinstance(m, NativeExperts)]
+    assert experts and all(m.bf16_dot for m in experts)
+    assert all(m._packed.bf16_dot for m in mods if isinstance(m, NativeGatedMlp))
+    lin = bf.runner.linear
+    routers = {w.data_ptr() for m in mods if isinstance(m, MoeBlock) for w in (m.gate_weight, m.shared_gate_weight)
+               if w is not None}
+    assert routers and all(not lin.packed[p].bf16_dot for p in routers)
+    assert any(pw.bf16_dot for p, pw in lin.packed.items() if p not in routers)
+    ids = bf.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then")
+    diff = (_all_logprobs(bf, ids) - _all_logprobs(f32, ids)).abs().max().item()
+    assert 0 < diff <= TOL, diff
+    # batch-invariant: each prompt alone gets the batch's tokens and logprobs, bit for bit
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = random_prompts(5, seed=3)
+    batch = bf.generate(prompts, sp)
+    for p, out in zip(prompts, batch):
+        ref = bf.generate([p], sp)[0]
+        assert out.token_ids == ref.token_ids
+        assert [(l.logprob, l.top) for l in out.logprobs] == [(l.logprob, l.top) for l in ref.logprobs]
+
+
+def test_bfloat16_on_a_moe_model_without_the_expert_kernel_falls_back_with_a_warning(tmp_path):
     from moe_factory import make_moe_model
 
     path = make_moe_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=2)
-    with pytest.warns(RuntimeWarning, match="non-MoE"):
-        eng = Engine(str(path), dtype="bfloat16", **KW)
+    with pytest.warns(RuntimeWarning, match="torch's bf16 ops"):
+        eng = Engine(str(path), dtype="bfloat16", kernels="torch", **KW)
     assert eng.precision == "bfloat16" and eng.runner.kv_cache.dtype == torch.bfloat16
     assert len(eng.generate(["hello world"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3

@@ -240,6 +240,52 @@ def test_bf16_expert_weights_equal_fp32_on_bf16_rounded_experts(moe_models, arch
     assert packed and all(m.packed_gate_up.dtype == torch.bfloat16 for m in packed)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_auto_keeps_a_bf16_checkpoints_experts_in_bf16(moe_models, arch, tmp_path):
+    """moe_expert_dtype="auto" (the default) packs a bf16 checkpoint's routed experts as stored, in bf16:
+    the same tokens and logprobs, bit for bit, as the fp32 engine on that checkpoint (widening bf16 is
+    exact), in fewer resident bytes. An fp16 checkpoint's experts (fp16 does not round-trip through
+    bf16) and an explicit "float32" stay fp32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def saved_as(dtype):
+        d = tmp_path / f"{arch}_{dtype}"
+        shutil.copytree(moe_models[arch], d)
+        w = load_file(str(d / "model.safetensors"))
+        save_file({n: t.to(dtype) if t.is_floating_point() else t for n, t in w.items()},
+                  str(d / "model.safetensors"), metadata={"format": "pt"})
+        return str(d)
+
+    def expert_storage(engine):
+        packed = [m for m in engine.runner.model.modules() if type(m).__name__ == "NativeExperts"]
+        assert packed
+        return {m.packed_gate_up.dtype for m in packed} | {m.packed_down.dtype for m in packed}
+
+    kw = dict(kv_cache_memory=8 << 20, block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    bf16 = saved_as(torch.bfloat16)
+    auto, fp32 = Engine(bf16, **kw), Engine(bf16, dtype="float32", **kw)
+    assert expert_storage(auto) == {torch.bfloat16} and expert_storage(fp32) == {torch.float32}
+    got, want = auto.generate(PROMPTS, sp), fp32.generate(PROMPTS, sp)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        assert [(t.token_id, t.logprob, t.top) for t in a.logprobs] == [(t.token_id, t.logprob, t.top) for t in b.logprobs]
+        assert [(t.token_id, t.logprob) for t in a.prompt_logprobs[1:]] == [(t.token_id, t.logprob) for t in b.prompt_logprobs[1:]]
+    # the experts' panels at 2 bytes per weight instead of 4, everything else as before
+    def expert_bytes(engine):
+        return sum(m.packed_gate_up.nbytes + m.packed_down.nbytes for m in engine.runner.model.modules()
+                   if type(m).__name__ == "NativeExperts")
+
+    assert expert_bytes(auto) <= 0.5 * expert_bytes(fp32) * 1.02
+    # (and the rest no bigger: the fp32 engine's MLA v slices are views keeping all of kv_b_proj alive,
+    # the bf16 checkpoint's are per-head fp32 copies of the v part only)
+    assert auto.runner.weight_bytes() - expert_bytes(auto) <= fp32.runner.weight_bytes() - expert_bytes(fp32)
+    assert expert_storage(Engine(bf16, moe_expert_dtype="float32", **kw)) == {torch.float32}
+    assert expert_storage(Engine(saved_as(torch.float16), **kw)) == {torch.float32}
+
+
 def test_bf16_expert_weights_need_the_native_kernel(moe_models):
     from deepinfer import InvalidRequestError
 

@@ -249,3 +249,82 @@ def test_combine_inputs_are_checked():
         moe_gemm.moe_experts(x, idx, packed, add=torch.ones(3, 32))
     with pytest.raises(KernelInputError, match="add must be"):
         moe_gemm.moe_experts(x, idx, packed, weights=torch.ones(3, 2), add=torch.ones(2, 32))
+
+
+# ---- bf16 dot products (pack_experts_bf16_dot, csrc/gemm_bf16dot.c's di_moe_experts_bf16dot) ---------------
+
+def _dense_bf16_dot(x, idx, gu, down):
+    """[T, k, H] pair by pair through native.gated_linear / linear on bf16-dot panels: the arithmetic the
+    grouped call must reproduce bit for bit (x rounded, gated, the intermediate rounded, down)."""
+    from deepinfer_kernels import native
+
+    E = gu.shape[0]
+    pg = [native.pack_gated_weight(gu[e].contiguous(), bf16_dot=True) for e in range(E)]
+    pd = [native.pack_weight(down[e].contiguous(), bf16_dot=True) for e in range(E)]
+    out = torch.empty(idx.shape[0], idx.shape[1], down.shape[1])
+    for t in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            out[t, j] = native.linear(native.gated_linear(x[t : t + 1], pg[e]), pd[e])[0]
+    return out
+
+
+# sizes off the 48-column panel and the 8-row tile, odd H and I (a zero-padded last pair), one token,
+# an expert with many rows
+@pytest.mark.parametrize("E,H,I,T,k", [(8, 200, 70, 13, 3), (4, 97, 131, 1, 2), (6, 96, 48, 40, 2), (3, 64, 33, 30, 1)])
+def test_bf16_dot_experts_are_the_dense_bf16_dot_path_pair_by_pair(E, H, I, T, k):
+    gu, down = _experts(E, H, I, seed=E + T)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g)
+    idx = _routing(T, E, k, seed=T)
+    packed = moe_gemm.pack_experts_bf16_dot(gu, down)
+    assert packed.bf16_dot and packed.weights == torch.bfloat16
+    y = moe_gemm.moe_experts(x, idx, packed)
+    assert torch.equal(y, _dense_bf16_dot(x, idx, gu, down))
+    # and within bf16 rounding of the fp32 definition
+    ref = moe_gemm.moe_experts_reference(x, idx, gu, down)
+    assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+    # a token alone, or the batch reversed, gives each pair the same bits
+    assert torch.equal(moe_gemm.moe_experts(x[-1:], idx[-1:], packed)[0], y[-1])
+    assert torch.equal(moe_gemm.moe_experts(x.flip(0), idx.flip(0), packed), y.flip(0))
+    # the combine: torch's slot-order sum of rounded products, + add
+    w = torch.rand(T, k, generator=g) * 2.5
+    add = torch.randn(T, H, generator=g)
+    assert torch.equal(moe_gemm.moe_experts(x, idx, packed, weights=w), _torch_combine(y, w))
+    assert torch.equal(moe_gemm.moe_experts(x, idx, packed, weights=w, add=add), _torch_combine(y, w) + add)
+
+
+def test_bf16_dot_experts_widening_fallback_gives_the_same_bits():
+    from deepinfer_kernels import native
+
+    E, H, I, T, k = 6, 130, 70, 21, 2
+    gu, down = _experts(E, H, I, seed=5)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(6))
+    idx = _routing(T, E, k, seed=7)
+    packed = moe_gemm.pack_experts_bf16_dot(gu, down)
+    dot = moe_gemm.moe_experts(x, idx, packed)
+    native.set_bf16_dot_cap(0)
+    try:
+        widened = moe_gemm.moe_experts(x, idx, packed)
+    finally:
+        native.set_bf16_dot_cap(None)
+    assert torch.equal(dot, widened)
+
+
+def test_bf16_dot_extra_stack_and_unpack():
+    E, H, I, T, k = 6, 72, 40, 11, 2
+    gu, down = _experts(E + 2, H, I, seed=21)
+    whole = moe_gemm.pack_experts_bf16_dot(gu, down)
+    stack, extra = moe_gemm.pack_experts_bf16_dot(gu[:E], down[:E]), moe_gemm.pack_experts_bf16_dot(gu[E:], down[E:])
+    idx = torch.cat([_routing(T, E, k, seed=3), torch.tensor([[E, E + 1]] * T)], 1)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(22))
+    w = torch.rand(T, k + 2)
+    assert torch.equal(moe_gemm.moe_experts(x, idx, stack, extra=extra, weights=w), moe_gemm.moe_experts(x, idx, whole, weights=w))
+    with pytest.raises(KernelInputError, match="extra experts are"):  # a widened-bf16 extra stack does not mix in
+        moe_gemm.moe_experts(x, idx, stack, extra=moe_gemm.pack_experts(gu[E:], down[E:], weights=torch.bfloat16))
+    with pytest.raises(KernelInputError, match=r"expert id 8 out of range \[0, 8\)"):
+        moe_gemm.moe_experts(x[:1], torch.tensor([[0, E + 2]]), stack, extra=extra)
+    from deepinfer_kernels import native
+
+    g2, d2 = moe_gemm.unpack_experts(whole)
+    assert torch.equal(g2, native.to_bf16_dot(gu).float()) and torch.equal(d2, native.to_bf16_dot(down).float())
