@@ -14,8 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import warnings
-from pathlib import Path
 from typing import Any, Sequence as Seq
 
 import torch
@@ -26,10 +24,10 @@ from deepinfer.engine.kv_pools import make_kv
 from deepinfer.engine.draft_model import DRAFT_KEY
 from deepinfer.engine.drafter import NgramDrafter, SuffixIndex
 from deepinfer.engine.host_memory import keep_freed_memory
-from deepinfer.engine.expert_kernels import native_experts_available
 from deepinfer.engine.input_processor import InputProcessor, PromptType
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine import precision
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sample_step import StepSampler
 from deepinfer.engine.sampler import Sampler
@@ -40,106 +38,11 @@ from deepinfer.engine.speculation import ForwardCost, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step, plan_step
 from deepinfer.engine.structured_output import StructuredOutputs
-from deepinfer.engine.weights16 import bf16_dot_available
 from deepinfer.errors import DistributedWorkerError, ExpertParallelConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
 MAX_FORCED_DRAFT = 32  # most forced tokens verified in one step (a forced string can be a long JSON key)
 BUDGET_ZONE = 64  # complete_within_budget: no drafts this close to max_tokens (grammar/budget.py MARGIN = 16)
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidRequestError("device='cuda' requested but CUDA is not available")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The runner's compute dtype (activations, KV cache).
-
-    "auto" on CPU computes in fp32 (the native GEMM, attention and norms are fp32); what it stores the
-    weights in depends on the checkpoint: a GGUF's blocks as stored (`_quant_mode`), a bf16 / fp16
-    model directory's projections in 16-bit panels (weights16.py: the fp32 kernel's bits, half its
-    bytes), anything else fp32. Measured on the 2-core AVX-512 Zen 5 host, SmolLM2-135M saved as bf16
-    (benchmarks/weights16.py, 32 new tokens, medians of 3-4, arms alternating in one process): auto
-    (bf16 panels) / float32 = 1.72x tokens/s at batch 1, 1.47x at 8, 1.08-1.11x at 32, 0.94-1.07x at
-    128 over two runs (there the layers' GEMMs are compute-bound: 0.97-1.01x per call), with
-    resident weights 1.02x the checkpoint's bytes instead of 4.0x.
-
-    "bfloat16" on CPU, where the native bf16-dot GEMM runs (weights16.bf16_dot_available: native
-    kernels, AVX-512F), computes activations, norms, attention and the KV cache in fp32 and every
-    projection as bf16 dot products accumulated in fp32 (csrc/gemm_bf16dot.c, weights rounded to bf16
-    at load): SmolLM2-135M as an fp32 directory on that host (benchmarks/throughput.py --model, 64 new
-    tokens, best of 3) 1.44x / 1.61x / 1.48x / 1.71x float32's tokens/s at batch 1 / 8 / 32 / 128,
-    greedy answers equal on 6/8 prompts x 32 tokens, logprobs within 0.061 (benchmarks/bf16_dot.py
-    --accuracy); auto does not pick it. An MoE model runs the same arithmetic through the grouped expert
-    kernel's bf16-dot build (ModelRunner.moe_bf16_dot). Elsewhere (dense MLA models, expert parallelism,
-    no packing; see Engine.__init__) it is torch's bf16 ops, which ran 0.62-0.83x float32 on that host."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "bfloat16" and device.type == "cpu" and _native_kernels():
-        # fp32 activations between ops, the projections' products in bf16: a GGUF's blocks in the quant
-        # mode "bf16" (_quant_mode), other checkpoints as bf16 dot products (Engine.__init__, weights16.py)
-        return torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name in QUANT_DTYPES:
-        if device.type != "cpu":
-            raise InvalidRequestError(f"dtype={name!r} runs on CPU only")
-        return torch.float32  # activations, KV cache and accumulation stay fp32
-    if name not in table:
-        raise InvalidRequestError(f"dtype must be auto, float32, bfloat16, float16, quantized or quantized_exact, got {name!r}")
-    return table[name]
-
-
-# GGUF block-quantised weights kept as stored (quant_linear.py): int8 dot products, or exact fp32 dequant
-QUANT_DTYPES = {"quantized": "int8", "quantized_exact": "exact"}
-
-
-def _quant_mode(name: str, device: torch.device) -> str | None:
-    """The kernel mode for quantised weights this dtype asks for, or None (no block weights kept).
-
-    "auto" on CPU keeps a GGUF checkpoint's block-quantised weights as stored and runs the exact mode
-    (dequantised in registers against fp32 activations; a checkpoint without such tensors, or a model
-    directory, runs fp32 as before). Measured side by side on this 2-core AVX2 host
-    (benchmarks/throughput.py, SmolLM2 Q4_1, 64 new tokens, best of 2-4, nothing else running):
-    quantized_exact / fp32 = 4.99x at batch 1, 2.07x at 8, 1.25x at 32, 1.16x at 128 (an A/B of the
-    engine before and after, alternating processes, medians of 4: 5.17x, 1.19x, 0.98x), with resident
-    weights 1.02x the file instead of 11x; greedy answers equal to fp32 on 8/8 prompts, logprobs
-    within 6e-5. On the 2-core AVX-512 Zen 5 host (the same benchmark, best of 2, quiet window), with
-    the AVX-512 outer-product and row kernels: 4.16x at batch 1, 1.28x at 8, 0.87x at 32, 0.94x at 128
-    (224.8 / 454.7 / 602.1 / 754.6 tok/s; with the AVX2-only kernels there 3.32x, -, 0.55x, 0.58x, fp32
-    then at 52 tok/s at batch 8), prompt logprobs equal to fp32's there (gemm.c has the outer kernel's
-    order). The int8 mode ("quantized": 1.4x quantized_exact at batch 1 on the AVX2 host, 1.37x on the
-    AVX-512 one, 6/8 greedy answers equal; from 16 rows, where the CPU has AVX512_VNNI, the int8 outer-
-    product kernel: 1396-1514 tok/s at batch 128 on the Zen 5 host vs bf16 products' 1282-1369, prompt logprobs
-    within 0.97 of quantized_exact's) stays an explicit choice. Without the native kernels (no C
-    compiler) auto stays fp32.
-
-    "bfloat16" on CPU keeps the blocks too, in the mode "bf16" (quant_linear.py: the exact row kernels
-    for few rows, bf16 products with fp32 accumulation from BF16_M rows where the CPU has
-    AVX512_BF16); a checkpoint without block tensors is left to the dense path."""
-    if name in ("auto", "bfloat16"):
-        if device.type != "cpu" or not _native_kernels():
-            return None
-        return "exact" if name == "auto" else "bf16"
-    return QUANT_DTYPES.get(name)
-
-
-def _native_kernels() -> bool:
-    """Whether the native CPU kernels built (deepinfer_kernels: a C compiler was found)."""
-    from deepinfer_kernels import quant
-
-    return quant.available()
-
-
-def _checkpoint_bytes(source: str) -> int:
-    """Bytes of the checkpoint's weight files (a .gguf file, or a directory's safetensors/bin files)."""
-    p = Path(source)
-    if p.is_file():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in p.glob("*") if f.suffix in (".safetensors", ".bin")) if p.is_dir() else 0
 
 
 class Engine:
@@ -156,38 +59,21 @@ class Engine:
         from deepinfer.engine.loader import load_model  # heavy imports only when an engine is built
 
         self.config = cfg = EngineConfig.from_kwargs(model, options)
-        self.device = _resolve_device(cfg.device)
-        self.dtype = _resolve_dtype(cfg.dtype, self.device)
+        self.device = precision.resolve_device(cfg.device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's activations reused from the heap, not page-faulted anew (host_memory.py)
-        quant_mode = _quant_mode(cfg.dtype, self.device)
         tensor_filter = None
         if cfg.expert_parallel_size > 1:  # this process reads only what it will run of the checkpoint
             from deepinfer.distributed.ep_runner import weight_filter
 
             tensor_filter = weight_filter(cfg)
-        # auto on CPU: a bf16 / fp16 model directory's projections stay 16-bit (weights16.py); bfloat16
-        # with fp32 activations (_resolve_dtype): the projections as bf16 dot products (bf16_dot)
-        bf16_dot = cfg.dtype == "bfloat16" and self.device.type == "cpu" and self.dtype == torch.float32
-        keep_16bit = (cfg.dtype == "auto" or bf16_dot) and self.device.type == "cpu" and cfg.expert_parallel_size == 1
-        loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=quant_mode is not None,
-                            tensor_filter=tensor_filter, keep_16bit=keep_16bit)
-        if cfg.dtype in QUANT_DTYPES and not loaded.quantized:
-            raise InvalidRequestError(f"dtype={cfg.dtype!r} needs a GGUF checkpoint with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors; "
-                                      f"{loaded.source} has none")
-        if bf16_dot and loaded.quantized and quant_mode:
-            bf16_dot = keep_16bit = False  # a GGUF's blocks kept as stored: quant_linear.py's kernels
-        elif bf16_dot and (cfg.expert_parallel_size > 1 or not cfg.cpu_prepack or not bf16_dot_available()
-                           or (loaded.config.moe is None and loaded.config.mla is not None)
-                           or (loaded.config.moe is not None and (cfg.kernels != "auto" or not native_experts_available()))):
-            warnings.warn("dtype='bfloat16' on CPU: the native bf16-dot projections need cpu_prepack=True and an "
-                          "AVX-512 CPU (MoE models also kernels='auto' and no expert parallelism; not dense MLA models); this "
-                          "model runs "
-                          "torch's bf16 ops instead", RuntimeWarning, stacklevel=2)
-            bf16_dot = keep_16bit = False
-            self.dtype = torch.bfloat16
+        asked = precision.request(cfg, self.device)
+        loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=asked.quant_mode is not None,
+                            tensor_filter=tensor_filter, keep_16bit=asked.keep_16bit)
+        prec = precision.settle(asked, cfg, loaded)
+        self.dtype = prec.dtype
         self.model_source = loaded.source
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
@@ -203,15 +89,15 @@ class Engine:
                 return
         else:
             self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
-                                      quantized=loaded.quantized, quant_mode=quant_mode, keep_16bit=keep_16bit,
-                                      bf16_dot=bf16_dot)
+                                      quantized=loaded.quantized, quant_mode=prec.quant_mode, keep_16bit=prec.keep_16bit,
+                                      bf16_dot=prec.bf16_dot)
         del loaded
         # one KV pool, or one per data-parallel attention rank (expert parallelism)
         self.kv = make_kv(getattr(self.runner, "kv_ranks", 1), self.runner.num_blocks, cfg.block_size,
                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.kv)
         self.stats = EngineStats()
-        self.stats.weight_bytes, self.stats.checkpoint_bytes = self.runner.weight_bytes(), _checkpoint_bytes(self.model_source)
+        self.stats.weight_bytes, self.stats.checkpoint_bytes = self.runner.weight_bytes(), precision.checkpoint_bytes(self.model_source)
         # "float32", "quantized-int8", "quantized-exact", "quantized-bf16", "bfloat16-weights", "float16-weights",
         # "bfloat16-dot" (dtype="bfloat16" on CPU with the native kernels) or "bfloat16" (torch's bf16 ops)
         self.precision = self.runner.precision
