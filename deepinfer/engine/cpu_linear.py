@@ -89,11 +89,14 @@ class CpuLinear:
     reallocated after construction."""
 
     def __init__(self, weights: Iterable[torch.Tensor], invariant: bool = False, gated: Iterable[torch.Tensor] = (),
-                 backend: str | None = None, bf16_dot: bool = False, keep_fp32: Iterable[torch.Tensor] = ()):
+                 backend: str | None = None, bf16_dot: bool = False, keep_fp32: Iterable[torch.Tensor] = (),
+                 bf16_exact: bool = False):
         """weights: plain projections; gated: stacked [gate; up] weights used through silu_mul;
         backend: "native" or "onednn" (None: native where it is preferred, see native_gemm_preferred;
         oneDNN where that is missing, else native). bf16_dot (native only): packed rounded to bf16 and
-        run as bf16 dot products, except the weights in keep_fp32 (an MoE router's: kept in fp32)."""
+        run as bf16 dot products, except the weights in keep_fp32 (an MoE router's: kept in fp32).
+        bf16_exact (native only): a weight whose every value is a bf16 (a bf16 checkpoint's, loaded as fp32)
+        is packed in bf16 panels, widened exactly in registers: the fp32 panels' bits from half the bytes."""
         if backend is None:
             backend = "native" if native_gemm_preferred() or not onednn_available() else "onednn"
         self.backend = backend
@@ -108,12 +111,20 @@ class CpuLinear:
 
             self._native = native
             exempt = {w.data_ptr() for w in keep_fp32}
+
+            def stored(w: torch.Tensor) -> torch.Tensor:
+                if bf16_exact and not bf16_dot:
+                    b = w.to(torch.bfloat16)
+                    if torch.equal(b.float(), w):
+                        return b
+                return w
+
             for w in weights:
                 if ok(w):
-                    self.packed[w.data_ptr()] = native.pack_weight(w, bf16_dot=bf16_dot and w.data_ptr() not in exempt)
+                    self.packed[w.data_ptr()] = native.pack_weight(stored(w), bf16_dot=bf16_dot and w.data_ptr() not in exempt)
             for w in gated:
                 if ok(w) and w.shape[0] % 2 == 0:
-                    self.packed_gated[w.data_ptr()] = native.pack_gated_weight(w, bf16_dot=bf16_dot)
+                    self.packed_gated[w.data_ptr()] = native.pack_gated_weight(stored(w), bf16_dot=bf16_dot)
             return
         if bf16_dot:
             raise ValueError("CpuLinear: bf16_dot needs the native backend")

@@ -77,6 +77,7 @@ class ModelRunner:
         if model_hook is not None:
             model_hook(self.model)
         self.kept_16bit = None  # {HF name: 16-bit tensor} until _select_linear packs them
+        self.keep_16bit = keep_16bit
         self.bf16_dot = bf16_dot
         if (keep_16bit or bf16_dot) and device.type == "cpu" and dtype == torch.float32 and not (quantized and quant_mode):
             from deepinfer.engine.weights16 import split_16bit
@@ -213,13 +214,14 @@ class ModelRunner:
             lin = CpuLinear(weights, invariant=invariant, gated=gated, backend="native", bf16_dot=True, keep_fp32=routers)
             self.precision = "bfloat16-dot"
             if not invariant or lin.verify_invariance(weights + gated):
-                return lin
+                return self._release_packed(lin)
             raise RuntimeError("the native bf16-dot projections were not batch-invariant on this machine")
         if on_cpu_fp32 and self.config.cpu_prepack and packed_gemm_available():
             weights, gated = self.model.linear_weights(), self.model.gated_weights()
-            lin = CpuLinear(weights, invariant=invariant, gated=gated)
+            # auto: a bf16 checkpoint's projections (loaded as fp32) packed as the bf16 they are
+            lin = CpuLinear(weights, invariant=invariant, gated=gated, bf16_exact=self.keep_16bit)
             if not invariant or lin.verify_invariance(weights + gated):
-                return lin
+                return self._release_packed(lin)
             del lin  # not invariant with this oneDNN build / thread count: fall through
         if not invariant:
             return F.linear
@@ -229,6 +231,31 @@ class ModelRunner:
             return y + b if b is not None else y
 
         return tiled
+
+    def _release_packed(self, lin):
+        """With the native backend the panels are a packed weight's only use (CpuLinear never falls back to
+        its values), so each such parameter becomes a placeholder (4 bytes, NaN: a stray read is loud, not
+        silently wrong) and the panels its one copy: a float32 model directory was held twice (2.0x its
+        bytes), an MoE model's attention, dense and LM head weights too. The token embedding keeps its
+        values (lookups read them). Returns lin, re-keyed to the placeholders' addresses."""
+        from deepinfer.engine.placeholder import placeholder
+
+        if getattr(lin, "backend", None) != "native":
+            return lin  # oneDNN: small batches run F.linear on the weights themselves
+        embed = getattr(self.model, "embed_tokens", None)
+        keep = {embed.data_ptr()} if embed is not None else set()
+        for mod in self.model.modules():
+            for p in mod.parameters(recurse=False):
+                ptr = p.data_ptr()
+                if p.dim() != 2 or ptr in keep:
+                    continue
+                for table in (lin.packed, lin.packed_gated):
+                    if ptr in table:
+                        ph = placeholder(tuple(p.shape))
+                        table[ph.data_ptr()] = table.pop(ptr)
+                        p.data = ph
+                        break
+        return lin
 
     def weight_bytes(self) -> int:
         """Bytes of weights held: the model's tensors (each storage once) plus packed/quantised copies."""

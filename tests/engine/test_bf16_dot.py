@@ -56,7 +56,8 @@ def test_bfloat16_runs_bf16_panels_within_tolerance_of_float32(ckpts, key):
     panels = [*lin.packed.values(), *lin.packed_gated.values()]
     assert panels and all(pw.bf16_dot and pw.panels.dtype == torch.bfloat16 for pw in panels)
     # the panels hold the weights rounded to bf16 once (from fp32, bf16 or fp16 as stored)
-    w = f32.runner.model.layers[0].mlp.down_weight
+    f32_pw = f32.runner.linear.packed[f32.runner.model.layers[0].mlp.down_weight.data_ptr()]
+    w = native.packed_rows(f32_pw, torch.arange(f32_pw.n))  # (the float32 engine's one copy is its panels too)
     pw = lin.packed[bf.runner.model.layers[0].mlp.down_weight.data_ptr()]
     assert torch.equal(native.packed_rows(pw, torch.arange(w.shape[0])), native.to_bf16_dot(w).float())
     # no fp32 copy of a projection; activations and the KV cache stay fp32

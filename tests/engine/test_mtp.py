@@ -78,7 +78,8 @@ def test_mtp_logits_match_a_transformers_decoder_layer(tmp_path):
         want = ref(inputs_embeds=x[None], position_ids=torch.arange(T)[None]).logits[0]
         a = model.config.mla
         cache = torch.zeros(T, 1, a.kv_lora_rank + a.qk_rope_head_dim)
-        meta = ForwardContext(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)], linear=F.linear)
+        meta = ForwardContext(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)],
+                               linear=eng.runner.linear)  # the engine's panels: its projections' one copy
         got = model.mtp_logits(torch.tensor(ids[1:]), torch.arange(T), hidden, meta, (cache,))
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

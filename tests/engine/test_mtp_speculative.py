@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deepinfer import Engine, InvalidRequestError, SamplingParams
 from deepinfer.engine.attention import ForwardContext, PrefillChunk
@@ -135,7 +134,8 @@ def test_drafts_equal_a_from_scratch_mtp_pass(tmp_path):
         with torch.no_grad():
             hidden = hf.model(torch.tensor([ids[:-1]])).last_hidden_state[0]
             cache = torch.zeros(T, 1, a.kv_lora_rank + a.qk_rope_head_dim)
-            meta = ForwardContext(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)], linear=F.linear)
+            meta = ForwardContext(slot_mapping=torch.arange(T), prefills=[PrefillChunk(0, T, T, None)],
+                               linear=eng.runner.linear)  # the engine's panels: its projections' one copy
             want = model.mtp_logits(torch.tensor(ids[1:]), torch.arange(T), hidden, meta, (cache,)).argmax(-1)
         for pos, tok in drafts.items():
             if pos - 2 < T:  # row pos - 2 predicts the token at pos

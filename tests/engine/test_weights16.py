@@ -75,7 +75,10 @@ def test_auto_keeps_16bit_panels_and_matches_float32_bitwise(ckpts, key):
 def test_fp32_checkpoint_under_auto_stays_fp32(tiny_models):
     eng = Engine(str(tiny_models["llama"]), **KW)
     assert eng.precision == "float32"
-    assert all(not is_placeholder(w) and w.dtype == torch.float32 for w in eng.runner.model.linear_weights())
+    # fp32 panels (an fp32 value is not a bf16 one), the panels the projections' only copy
+    lin = eng.runner.linear
+    assert lin.packed and all(pw.panels.dtype == torch.float32 for pw in [*lin.packed.values(), *lin.packed_gated.values()])
+    assert all(is_placeholder(w) for w in eng.runner.model.linear_weights())
 
 
 def test_16bit_storage_is_batch_invariant(ckpts):
