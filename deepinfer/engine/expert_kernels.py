@@ -100,7 +100,8 @@ class NativeGatedMlp(nn.Module):
     as intermediate / chunk experts of that size (`chunks`), whose outputs summed are the MLP's, so
     NativeExperts.combined can run it in the routed experts' call. One chunk is the plain MLP, the same bits."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, chunk: int | None = None, bf16_dot: bool = False):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, chunk: int | None = None, bf16_dot: bool = False,
+                 weights: torch.dtype = torch.float32):
         super().__init__()
         from deepinfer_kernels import moe_gemm
 
@@ -111,8 +112,8 @@ class NativeGatedMlp(nn.Module):
             raise ValueError(f"NativeGatedMlp: chunk {chunk} does not divide the intermediate size {inter}")
         m = inter // chunk
         g, u = gate_up[:inter].view(m, chunk, -1), gate_up[inter:].view(m, chunk, -1)
-        pack = moe_gemm.pack_experts_bf16_dot if bf16_dot else moe_gemm.pack_experts
-        p = pack(torch.cat([g, u], 1).contiguous(), down.view(down.shape[0], m, chunk).transpose(0, 1).contiguous())
+        gu, dn = torch.cat([g, u], 1).contiguous(), down.view(down.shape[0], m, chunk).transpose(0, 1).contiguous()
+        p = moe_gemm.pack_experts_bf16_dot(gu, dn) if bf16_dot else moe_gemm.pack_experts(gu, dn, weights=weights)
         self.register_buffer("packed_gate_up", p.gate_up, persistent=False)
         self.register_buffer("packed_down", p.down, persistent=False)
         self._packed = p
@@ -212,6 +213,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
     (moe_gemm.pack_experts_bf16_dot)."""
     from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
+    from deepinfer.engine.placeholder import placeholder
     from deepinfer_kernels import moe_route
 
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
@@ -233,8 +235,15 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
         chunk = {id(b.shared): b.inter for b in blocks if b.shared is not None and b.shared.inter % b.inter == 0}
         for m in model.modules():
             if isinstance(m, GatedMLP) and m.gate_up_weight.dtype == torch.float32 and m.gate_up_weight.device.type == "cpu":
-                m.kernel = NativeGatedMlp(m.gate_up_weight.data, m.down_weight.data, chunk=chunk.get(id(m)),
-                                          bf16_dot=bf16_dot)
+                gu, dn = m.gate_up_weight.data, m.down_weight.data
+                # with the routed experts in bf16, a shared expert / dense MLP whose values are all bf16 (a bf16
+                # checkpoint's) is packed so too: the same bits, half the bytes (and it still fuses: can_fuse)
+                w16 = weights == torch.bfloat16 and all(torch.equal(t.bfloat16().float(), t) for t in (gu, dn))
+                m.kernel = NativeGatedMlp(gu, dn, chunk=chunk.get(id(m)), bf16_dot=bf16_dot,
+                                          weights=torch.bfloat16 if w16 else torch.float32)
+                # the kernel's panels are its one copy from here on (GatedMLP.forward runs only the kernel)
+                m.gate_up_weight.data = placeholder(tuple(gu.shape))
+                m.down_weight.data = placeholder(tuple(dn.shape))
         from deepinfer.engine.native_projections import install_native_projections
 
         install_native_projections(model)  # MLA's projections and the routers, on the same tile

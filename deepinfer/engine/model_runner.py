@@ -244,6 +244,13 @@ class ModelRunner:
             return lin  # oneDNN: small batches run F.linear on the weights themselves
         embed = getattr(self.model, "embed_tokens", None)
         keep = {embed.data_ptr()} if embed is not None else set()
+        if self.keep_16bit and embed is not None and getattr(self.model, "lm_head", None) is not None:
+            # an untied bf16 checkpoint's embedding (loaded as fp32): looked up in bf16 and widened, exactly
+            e16 = embed.data.to(torch.bfloat16)
+            if torch.equal(e16.float(), embed.data):
+                self.model.register_buffer("embed_tokens_16", e16, persistent=False)  # (counted in weight_bytes)
+                self.model.set_embedding_impl(lambda ids, e16=e16: torch.nn.functional.embedding(ids, e16).float())
+                embed.data = placeholder(tuple(embed.shape))
         for mod in self.model.modules():
             for p in mod.parameters(recurse=False):
                 ptr = p.data_ptr()

@@ -114,14 +114,19 @@ def test_shared_and_dense_mlps_run_on_the_native_kernel(v3_path, tokens):
     assert not packed & {w.data_ptr() for m in mlps for w in (m.gate_up_weight, m.down_weight)}
     meta = _ctx(eng)
     x = torch.randn(tokens, mlps[0].down_weight.shape[0], generator=torch.Generator().manual_seed(tokens))
+    # the torch definition on the checkpoint's tensors (the kernels' panels are the engine's only copy)
+    from safetensors.torch import load_file
+
+    ckpt = load_file(str(v3_path / "model.safetensors"))
+    names = {id(m): n for n, m in eng.runner.model.named_modules()}
+    block = next(b for b in _blocks(eng) if b.shared is shared[0])
+    prefixes = {id(mlps[0]): "model." + names[id(mlps[0])] + ".",
+                id(shared[0]): "model." + names[id(block)] + f".{block.shared_name}."}
     for m in (mlps[0], shared[0]):
         got = m(x, meta)
-        kernel, m.kernel = m.kernel, None
-        try:  # the torch definition (F.linear: the runner's linear has not packed these weights)
-            gu = x @ m.gate_up_weight.t()
-            ref = (torch.nn.functional.silu(gu[:, : m.inter]) * gu[:, m.inter :]) @ m.down_weight.t()
-        finally:
-            m.kernel = kernel
+        p = prefixes[id(m)]
+        g, u = x @ ckpt[p + "gate_proj.weight"].t(), x @ ckpt[p + "up_proj.weight"].t()
+        ref = (torch.nn.functional.silu(g) * u) @ ckpt[p + "down_proj.weight"].t()
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
         # a row's bits do not depend on the batch it is in

@@ -72,7 +72,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
             raise IndexError(f"MTP layer {depth} requested; the checkpoint has {len(self.mtp)}")
         m = self.mtp[depth]
         rope = self.rotary.tables(positions, hidden.dtype)
-        h = m(input_ids, positions, hidden, meta, kv_cache, rope, self.embed_tokens)
+        h = m(input_ids, positions, hidden, meta, kv_cache, rope, self.embed)
         if rows is not None:
             h = h.index_select(0, rows)
         head = m.head if m.head is not None else (self.embed_tokens if self.lm_head is None else self.lm_head)

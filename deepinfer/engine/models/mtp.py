@@ -35,8 +35,9 @@ class MtpModule(nn.Module):
         self.head: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, prev_hidden, meta: ForwardContext, kv_cache, rope, embed) -> torch.Tensor:
-        """The normed hidden state [T, hidden] whose logits predict the token after input_ids."""
-        e = self.enorm(F.embedding(input_ids, self.embed if self.embed is not None else embed))
+        """The normed hidden state [T, hidden] whose logits predict the token after input_ids; embed: the
+        main model's token embedding (ids -> [T, hidden]), used where this layer has none of its own."""
+        e = self.enorm(F.embedding(input_ids, self.embed) if self.embed is not None else embed(input_ids))
         x = meta.linear(torch.cat([e, self.hnorm(prev_hidden)], dim=-1), self.eh_weight, None)
         h, residual = self.block(rope, x, None, meta, kv_cache)
         out, _ = self.head_norm.add_forward(h, residual)
