@@ -68,9 +68,9 @@ class EngineConfig:
     # (engine/cuda_graphs.py); prefill and mixed steps run eagerly
     cuda_graphs: bool = False
     kernels: str = "auto"  # custom kernels: "auto" (per op and device, as measured) | "torch" | "tilelang"
-    # CPU fp32: keep a packed copy of every projection weight for the native panel GEMM (oneDNN's
-    # layout where no C compiler is found): 1.1-2.2x faster than F.linear at every batch size
-    # (benchmarks/kernels.py); costs a second copy of the weights in memory
+    # CPU fp32: pack every projection weight for the native panel GEMM (oneDNN's layout where no C
+    # compiler is found): 1.1-2.2x faster than F.linear at every batch size (benchmarks/kernels.py);
+    # the native panels replace the weights (ModelRunner._release_packed), oneDNN's sit beside them
     cpu_prepack: bool = True
     # CPU, the native grouped expert kernel: how the routed experts' packed weights are stored.
     # "bfloat16" halves the bytes a decode step streams (the kernel widens them to fp32 exactly and
