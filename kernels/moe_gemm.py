@@ -103,6 +103,17 @@ def _check_stack(name: str, w: torch.Tensor) -> None:
                                f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
 
 
+def _check_pair(fn: str, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int, int]:
+    """(E, 2I, H) of a gate_up [E, 2I, H] / down [E, H, I] pair of fp32 CPU stacks; KernelInputError else."""
+    _check_stack("gate_up", gate_up)
+    _check_stack("down", down)
+    e, i2, h = gate_up.shape
+    if i2 % 2 or tuple(down.shape) != (e, h, i2 // 2) or e == 0 or h == 0 or i2 == 0:
+        raise KernelInputError(f"{fn}: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not "
+                               "[E, 2I, H] and [E, H, I]")
+    return e, i2, h
+
+
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True,
                  weights: torch.dtype = torch.float32) -> PackedExperts:
     """gate_up [E, 2I, H] (each expert's [gate; up]), down [E, H, I] -> PackedExperts (a copy; huge:
@@ -111,12 +122,7 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True,
     them, so its result is the fp32 kernel's on the rounded weights, bit for bit)."""
     if weights not in WEIGHT_DTYPES:
         raise KernelInputError(f"pack_experts: weights must be torch.float32 or torch.bfloat16, got {weights}")
-    _check_stack("gate_up", gate_up)
-    _check_stack("down", down)
-    e, i2, h = gate_up.shape
-    if i2 % 2 or tuple(down.shape) != (e, h, i2 // 2) or e == 0 or h == 0 or i2 == 0:
-        raise KernelInputError(f"pack_experts: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not "
-                               "[E, 2I, H] and [E, H, I]")
+    e, i2, h = _check_pair("pack_experts", gate_up, down)
     nr = panel_width()
     i = i2 // 2
     g, u = _panels(gate_up[:, :i], nr), _panels(gate_up[:, i:], nr)
@@ -134,12 +140,7 @@ def pack_experts_bf16_dot(gate_up: torch.Tensor, down: torch.Tensor, huge: bool 
     the weights rounded to bf16 (native.to_bf16_dot) in native's pair panels, one expert after another.
     `moe_experts` then rounds x, and the gated intermediate, to bf16 and accumulates in fp32
     (csrc/gemm_bf16dot.c, di_moe_experts_bf16dot)."""
-    _check_stack("gate_up", gate_up)
-    _check_stack("down", down)
-    e, i2, h = gate_up.shape
-    if i2 % 2 or tuple(down.shape) != (e, h, i2 // 2) or e == 0 or h == 0 or i2 == 0:
-        raise KernelInputError(f"pack_experts_bf16_dot: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} "
-                               "are not [E, 2I, H] and [E, H, I]")
+    e, i2, h = _check_pair("pack_experts_bf16_dot", gate_up, down)
     gu = torch.stack([native.pack_gated_weight(gate_up[j].contiguous(), bf16_dot=True).panels for j in range(e)])
     d = torch.stack([native.pack_weight(down[j].contiguous(), bf16_dot=True).panels for j in range(e)])
     if huge:

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "expert_sort.h"
 #include "vec16.h"
 
 /* Software prefetch this far ahead in a panel (3 lines a pair step). Grouped experts (32 x [2 x 256 x 1024]
@@ -264,6 +265,21 @@ static void combine_row16(const float *ys, const int64_t *pos, int64_t t, int64_
     }
 }
 
+/* Item `it` of one GEMM over the expert groups (P panels an expert): group it / P's rows (sorted positions
+ * gstart[g] ..) of `in` (pairs, Kp a row) against panel it % P of its expert's weights (w, or the extra
+ * stack xw past E; `stride` pairs an expert) into out (N columns a row, same sorted rows). */
+static void group_item(int dot, int64_t it, int64_t P, const int64_t *gexp, const int64_t *gstart, int64_t E,
+                       const uint32_t *w, const uint32_t *xw, int64_t stride, const uint32_t *in, int64_t Kp,
+                       int gated, float *out, int64_t N) {
+    const int64_t g = it / P, p = it % P, e = gexp[g], s0 = gstart[g], n = gstart[g + 1] - s0;
+    const uint32_t *wp = e < E ? w + e * stride : xw + (e - E) * stride;
+    const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+    if (dot)
+        panel_dot(in + s0 * Kp, n, Kp, wp, p, gated, out + s0 * N, N, ncols, 0);
+    else
+        panel_widen(in + s0 * Kp, n, Kp, wp, p, gated, out + s0 * N, N, ncols, 0);
+}
+
 /* x: [T, H] rows ldx apart; idx: [T, k] ids in [0, E + xE): below E the stack gu / down, the others the
  * extra stack xgu / xdown (a shared expert's chunks, same layout); h: scratch [T * k, I]; y: [T * k, H]
  * rows ldy apart (written when wts is NULL); with wts ([T, k]) out [T, H] rows ldo apart gets the
@@ -293,21 +309,7 @@ int di_moe_experts_bf16dot(const float *x, int64_t ldx, int64_t T, int64_t k, co
         free(count); free(pair); free(pos); free(gstart); free(gexp); free(xb); free(xs); free(hb); free(ys);
         return -2;
     }
-    for (int64_t i = 0; i < R; ++i) ++count[idx[i] + 1];
-    int64_t G = 0;
-    for (int64_t e = 0; e < Eall; ++e) {
-        if (count[e + 1]) {
-            gexp[G] = e;
-            gstart[G++] = count[e];
-        }
-        count[e + 1] += count[e];
-    }
-    gstart[G] = R;
-    for (int64_t i = 0; i < R; ++i) { /* stable: within an expert, pairs keep their (token, slot) order */
-        const int64_t s = count[idx[i]]++;
-        pair[s] = i;
-        pos[i] = s;
-    }
+    const int64_t G = sort_by_expert(idx, R, Eall, count, pair, pos, gstart, gexp);
     const uint32_t *gu = (const uint32_t *)gu16, *dn = (const uint32_t *)down16;
     const uint32_t *xgu = (const uint32_t *)xgu16, *xdn = (const uint32_t *)xdown16;
     const int dot = di_gemm_bf16dot_level();
@@ -318,27 +320,11 @@ int di_moe_experts_bf16dot(const float *x, int64_t ldx, int64_t T, int64_t k, co
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < R; ++s) memcpy(xs + s * Hp, xb + pair[s] / k * Hp, sizeof(uint32_t) * (size_t)Hp);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < G * Pg; ++it) {
-            const int64_t g = it / Pg, p = it % Pg, e = gexp[g], s0 = gstart[g], n = gstart[g + 1] - s0;
-            const uint32_t *wp = e < E ? gu + e * gstride : xgu + (e - E) * gstride;
-            const int64_t ncols = I - p * NR < NR ? I - p * NR : NR;
-            if (dot)
-                panel_dot(xs + s0 * Hp, n, Hp, wp, p, 1, h + s0 * I, I, ncols, 0);
-            else
-                panel_widen(xs + s0 * Hp, n, Hp, wp, p, 1, h + s0 * I, I, ncols, 0);
-        }
+        for (int64_t it = 0; it < G * Pg; ++it) group_item(dot, it, Pg, gexp, gstart, E, gu, xgu, gstride, xs, Hp, 1, h, I);
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < R; ++s) round_row(h + s * I, I, hb + s * Ip);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < G * Pd; ++it) {
-            const int64_t g = it / Pd, p = it % Pd, e = gexp[g], s0 = gstart[g], n = gstart[g + 1] - s0;
-            const uint32_t *wp = e < E ? dn + e * dstride : xdn + (e - E) * dstride;
-            const int64_t ncols = H - p * NR < NR ? H - p * NR : NR;
-            if (dot)
-                panel_dot(hb + s0 * Ip, n, Ip, wp, p, 0, ys + s0 * H, H, ncols, 0);
-            else
-                panel_widen(hb + s0 * Ip, n, Ip, wp, p, 0, ys + s0 * H, H, ncols, 0);
-        }
+        for (int64_t it = 0; it < G * Pd; ++it) group_item(dot, it, Pd, gexp, gstart, E, dn, xdn, dstride, hb, Ip, 0, ys, H);
         if (wts) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) combine_row16(ys, pos, t, k, wts, add, ldadd, out + t * ldo, H);

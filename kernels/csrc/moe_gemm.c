@@ -52,6 +52,8 @@
 #include <immintrin.h>
 #endif
 #include <string.h>
+
+#include "expert_sort.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -408,18 +410,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         free(count); free(pair); free(group_start); free(group_expert);
         return -2;
     }
-    /* stable counting sort: within an expert, pairs keep their (token, slot) order */
-    for (int64_t i = 0; i < R; ++i) ++count[idx[i] + 1];
-    int64_t G = 0;
-    for (int64_t e = 0; e < Eall; ++e) {
-        if (count[e + 1]) {
-            group_expert[G] = e;
-            group_start[G++] = count[e];
-        }
-        count[e + 1] += count[e];
-    }
-    group_start[G] = R;
-    for (int64_t i = 0; i < R; ++i) pair[count[idx[i]]++] = i;
+    const int64_t G = sort_by_expert(idx, R, Eall, count, pair, NULL, group_start, group_expert);
 
     /* A group of up to TALL_MAX rows runs on the tall tile, one panel (VW columns) an item: each weight
      * is read once, from memory, by one pass of FMAs (with the 8 x 48 tile, k-blocked, a panel block
