@@ -110,14 +110,13 @@ class CpuLinear:
             from deepinfer_kernels import native
 
             self._native = native
+            from deepinfer.engine.weights16 import as_stored_bf16
+
             exempt = {w.data_ptr() for w in keep_fp32}
 
             def stored(w: torch.Tensor) -> torch.Tensor:
-                if bf16_exact and not bf16_dot:
-                    b = w.to(torch.bfloat16)
-                    if torch.equal(b.float(), w):
-                        return b
-                return w
+                b = as_stored_bf16(w) if bf16_exact and not bf16_dot else None
+                return w if b is None else b
 
             for w in weights:
                 if ok(w):

@@ -214,6 +214,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
     from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
     from deepinfer.engine.placeholder import placeholder
+    from deepinfer.engine.weights16 import as_stored_bf16
     from deepinfer_kernels import moe_route
 
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
@@ -238,7 +239,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
                 gu, dn = m.gate_up_weight.data, m.down_weight.data
                 # with the routed experts in bf16, a shared expert / dense MLP whose values are all bf16 (a bf16
                 # checkpoint's) is packed so too: the same bits, half the bytes (and it still fuses: can_fuse)
-                w16 = weights == torch.bfloat16 and all(torch.equal(t.bfloat16().float(), t) for t in (gu, dn))
+                w16 = weights == torch.bfloat16 and all(as_stored_bf16(t) is not None for t in (gu, dn))
                 m.kernel = NativeGatedMlp(gu, dn, chunk=chunk.get(id(m)), bf16_dot=bf16_dot,
                                           weights=torch.bfloat16 if w16 else torch.float32)
                 # the kernel's panels are its one copy from here on (GatedMLP.forward runs only the kernel)

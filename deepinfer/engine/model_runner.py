@@ -77,7 +77,9 @@ class ModelRunner:
         if model_hook is not None:
             model_hook(self.model)
         self.kept_16bit = None  # {HF name: 16-bit tensor} until _select_linear packs them
-        self.keep_16bit = keep_16bit
+        # bf16 tensors as stored (under auto the loader keeps them): then values that are all bf16 pack as
+        # bf16 (CpuLinear bf16_exact, the embedding); an fp32 checkpoint skips those checks at load
+        self.bf16_checkpoint = keep_16bit and any(t.dtype == torch.bfloat16 for t in weights.values())
         self.bf16_dot = bf16_dot
         if (keep_16bit or bf16_dot) and device.type == "cpu" and dtype == torch.float32 and not (quantized and quant_mode):
             from deepinfer.engine.weights16 import split_16bit
@@ -219,7 +221,7 @@ class ModelRunner:
         if on_cpu_fp32 and self.config.cpu_prepack and packed_gemm_available():
             weights, gated = self.model.linear_weights(), self.model.gated_weights()
             # auto: a bf16 checkpoint's projections (loaded as fp32) packed as the bf16 they are
-            lin = CpuLinear(weights, invariant=invariant, gated=gated, bf16_exact=self.keep_16bit)
+            lin = CpuLinear(weights, invariant=invariant, gated=gated, bf16_exact=self.bf16_checkpoint)
             if not invariant or lin.verify_invariance(weights + gated):
                 return self._release_packed(lin)
             del lin  # not invariant with this oneDNN build / thread count: fall through
@@ -244,10 +246,12 @@ class ModelRunner:
             return lin  # oneDNN: small batches run F.linear on the weights themselves
         embed = getattr(self.model, "embed_tokens", None)
         keep = {embed.data_ptr()} if embed is not None else set()
-        if self.keep_16bit and embed is not None and getattr(self.model, "lm_head", None) is not None:
+        if self.bf16_checkpoint and embed is not None and getattr(self.model, "lm_head", None) is not None:
+            from deepinfer.engine.weights16 import as_stored_bf16
+
             # an untied bf16 checkpoint's embedding (loaded as fp32): looked up in bf16 and widened, exactly
-            e16 = embed.data.to(torch.bfloat16)
-            if torch.equal(e16.float(), embed.data):
+            e16 = as_stored_bf16(embed.data)
+            if e16 is not None:
                 self.model.register_buffer("embed_tokens_16", e16, persistent=False)  # (counted in weight_bytes)
                 self.model.set_embedding_impl(lambda ids, e16=e16: torch.nn.functional.embedding(ids, e16).float())
                 embed.data = placeholder(tuple(embed.shape))

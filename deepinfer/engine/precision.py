@@ -51,7 +51,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "bfloat16" and device.type == "cpu" and native_kernels():
         # fp32 activations between ops, the projections' products in bf16: a GGUF's blocks in the quant
-        # mode "bf16" (quant_mode), other checkpoints as bf16 dot products (Engine.__init__, weights16.py)
+        # mode "bf16" (quant_mode), other checkpoints as bf16 dot products (settle, weights16.py)
         return torch.float32
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name in QUANT_DTYPES:

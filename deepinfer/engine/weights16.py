@@ -34,6 +34,13 @@ from deepinfer.errors import ModelLoadError
 DTYPES = (torch.bfloat16, torch.float16)
 
 
+def as_stored_bf16(t: torch.Tensor) -> torch.Tensor | None:
+    """t in bf16 when every value of t is a bf16 (a bf16 checkpoint's tensor, loaded as fp32), else None:
+    kept so, and widened back where read, it gives the fp32 tensor's bits from half the bytes."""
+    b = t.to(torch.bfloat16)
+    return b if torch.equal(b.float(), t) else None
+
+
 def bf16_dot_available() -> bool:
     """Engine(dtype="bfloat16") on CPU runs the native bf16-dot GEMM here: the native kernels built and
     the CPU has AVX-512F (the 8 x 48 tile's registers, as for the fp32 panels: native_gemm_preferred);
