@@ -22,12 +22,14 @@ each system its default way on it: transformers computes in bf16 (`from_pretrain
 DeepInfer keeps the routed experts in bf16 as stored (moe_expert_dtype "auto", exactly the fp32 path's
 bits) and computes in fp32. The default (`float32`) is the like-for-like fp32 comparison.
 
+`--bf16-dot` also runs the engine with `dtype="bfloat16"` (bf16 dot products, fp32 accumulation; its
+grouped-kernel GFLOP/s against a dense GEMM in the same arithmetic): also its own column.
 `--bf16-experts` also runs the engine with `moe_expert_dtype="bfloat16"` (the routed experts' packed
 weights in bf16, widened exactly, fp32 accumulation; everything else fp32) against the same fp32
 transformers: a precision choice, so it is its own column, never the headline ratio.
 
     python benchmarks/moe.py [--batches 1 8 32 128] [--new-tokens 8] [--repeats 2] [--models v3 qwen3] [--per-expert]
-                             [--bf16-experts] [--checkpoint float32|bfloat16]
+                             [--bf16-experts] [--bf16-dot] [--checkpoint float32|bfloat16]
 """
 
 from __future__ import annotations

@@ -151,15 +151,15 @@ def pack_experts_bf16_dot(gate_up: torch.Tensor, down: torch.Tensor, huge: bool 
 def unpack_experts(packed: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 stacks gate_up [E, 2I, H] and down [E, H, I] that `packed` holds (bf16 panels: their
     exact fp32 values), so the packed copy can be the only one kept."""
-    if packed.bf16_dot:
-        def pair_rows(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:  # [E, P, Kp, 48, 2] -> [E, n, k]
-            e, p, kp, nr, _ = panels.shape
-            return panels.permute(0, 1, 3, 2, 4).reshape(e, p * nr, kp * 2)[:, :n, :k].float()
-
+    if packed.bf16_dot:  # each expert's panels are native's: read back with native.packed_rows
         e, i, h = packed.num_experts, packed.inter, packed.hidden
-        gu = packed.gate_up.view(e, packed.gate_up.shape[1] // 2, 2, *packed.gate_up.shape[2:])
-        gate_up = torch.cat([pair_rows(gu[:, :, 0], i, h), pair_rows(gu[:, :, 1], i, h)], 1).contiguous()
-        return gate_up, pair_rows(packed.down, h, i).contiguous()
+
+        def rows_of(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+            return native.packed_rows(native.PackedWeight(panels, n, k, False, True), torch.arange(n))
+
+        gate_up = torch.stack([torch.cat([rows_of(packed.gate_up[j, 0::2], i, h), rows_of(packed.gate_up[j, 1::2], i, h)])
+                               for j in range(e)])
+        return gate_up, torch.stack([rows_of(packed.down[j], h, i) for j in range(e)])
 
     def rows(panels: torch.Tensor, n: int) -> torch.Tensor:  # [E, P, K, nr] -> [E, n, K]
         e, p, k, nr = panels.shape

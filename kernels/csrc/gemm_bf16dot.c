@@ -233,37 +233,10 @@ int di_gemm_bf16dot(const float *x, int64_t ldx, int64_t M, const uint16_t *wp16
  * down: ceil(H / 48) panels over K = I), experts one after another.
  *
  * Combine (wts given): out[t] = sum over j in order of wts[t, j] * y[t * k + j] (each product rounded,
- * then added), + add[t]: moe_gemm.c's combine_rows. */
-#if defined(__AVX512F__)
-#define KEEP_ROUNDED16(v) __asm__("" : "+v"(v))
-#else
-#define KEEP_ROUNDED16(v) do { volatile v16 keep_ = (v); (v) = keep_; } while (0)
-#endif
-
-static void combine_row16(const float *ys, const int64_t *pos, int64_t t, int64_t k, const float *wts,
-                          const float *add, int64_t ldadd, float *out, int64_t H) {
-    const float *w = wts + t * k;
-    int64_t c = 0;
-    for (; c + 16 <= H; c += 16) {
-        v16 acc = splat16(w[0]) * load16(ys + pos[t * k] * H + c);
-        KEEP_ROUNDED16(acc);
-        for (int64_t j = 1; j < k; ++j) {
-            v16 p = splat16(w[j]) * load16(ys + pos[t * k + j] * H + c);
-            KEEP_ROUNDED16(p);
-            acc = acc + p;
-        }
-        if (add) acc = acc + load16(add + t * ldadd + c);
-        store16(out + c, acc);
-    }
-    for (; c < H; ++c) {
-        volatile float acc = w[0] * ys[pos[t * k] * H + c];
-        for (int64_t j = 1; j < k; ++j) {
-            volatile float p = w[j] * ys[pos[t * k + j] * H + c];
-            acc = acc + p;
-        }
-        out[c] = add ? acc + add[t * ldadd + c] : acc;
-    }
-}
+ * then added), + add[t]: moe_gemm.c's combine_rows, called through di_moe_combine_rows. */
+/* moe_gemm.c's slot combine (one implementation for both grouped kernels), y's rows found through pos */
+void di_moe_combine_rows(const float *y, int64_t ldy, const int64_t *pos, int64_t t0, int64_t t1, int64_t k,
+                         const float *wts, const float *add, int64_t ldadd, float *out, int64_t ldo, int64_t H);
 
 /* Item `it` of one GEMM over the expert groups (P panels an expert): group it / P's rows (sorted positions
  * gstart[g] ..) of `in` (pairs, Kp a row) against panel it % P of its expert's weights (w, or the extra
@@ -327,7 +300,7 @@ int di_moe_experts_bf16dot(const float *x, int64_t ldx, int64_t T, int64_t k, co
         for (int64_t it = 0; it < G * Pd; ++it) group_item(dot, it, Pd, gexp, gstart, E, dn, xdn, dstride, hb, Ip, 0, ys, H);
         if (wts) {
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) combine_row16(ys, pos, t, k, wts, add, ldadd, out + t * ldo, H);
+            for (int64_t t = 0; t < T; ++t) di_moe_combine_rows(ys, H, pos, t, t + 1, k, wts, add, ldadd, out, ldo, H);
         } else {
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < R; ++s) memcpy(y + pair[s] * ldy, ys + s * H, sizeof(float) * (size_t)H);

@@ -359,18 +359,20 @@ static inline int split_even(int64_t n, int64_t most, int64_t i, int64_t *start)
 int di_moe_nr(void) { return VW; }
 #endif
 
-/* out[t, :] = sum over slots j = 0 .. k-1, in that order, of wts[t, j] * y[t * k + j, :], then
+/* out[t, :] = sum over slots j = 0 .. k-1, in that order, of wts[t, j] * (pair t * k + j's row of y), then
  * + add[t, :] when add is given: each product rounded, then added (no fused multiply-add: the same
- * operations, in the same order, as torch's `(y * w).sum-by-slot` loop it replaces, so the same bits). */
-static void combine_rows(const float *y, int64_t ldy, int64_t t, int64_t k, const float *wts, const float *add,
-                         int64_t ldadd, float *out, int64_t H) {
+ * operations, in the same order, as torch's `(y * w).sum-by-slot` loop it replaces, so the same bits).
+ * A pair's row is y's row t * k + j, or row pos[t * k + j] where pos is given (y in another order). */
+static void combine_rows(const float *y, int64_t ldy, const int64_t *pos, int64_t t, int64_t k, const float *wts,
+                         const float *add, int64_t ldadd, float *out, int64_t H) {
     const float *w = wts + t * k;
+#define ROW(j) (y + (pos ? pos[t * k + (j)] : t * k + (j)) * ldy)
     int64_t c = 0;
     for (; c + VW <= H; c += VW) {
-        vf acc = splat(w[0]) * ldv(y + (t * k) * ldy + c);
+        vf acc = splat(w[0]) * ldv(ROW(0) + c);
         KEEP_ROUNDED(acc);
         for (int64_t j = 1; j < k; ++j) {
-            vf p = splat(w[j]) * ldv(y + (t * k + j) * ldy + c);
+            vf p = splat(w[j]) * ldv(ROW(j) + c);
             KEEP_ROUNDED(p);
             acc = acc + p;
         }
@@ -378,14 +380,24 @@ static void combine_rows(const float *y, int64_t ldy, int64_t t, int64_t k, cons
         stv(out + c, acc);
     }
     for (; c < H; ++c) {
-        volatile float acc = w[0] * y[(t * k) * ldy + c];
+        volatile float acc = w[0] * ROW(0)[c];
         for (int64_t j = 1; j < k; ++j) {
-            volatile float p = w[j] * y[(t * k + j) * ldy + c];
+            volatile float p = w[j] * ROW(j)[c];
             acc = acc + p;
         }
         out[c] = add ? acc + add[t * ldadd + c] : acc;
     }
+#undef ROW
 }
+
+#ifndef MOE_BF16
+/* combine_rows for tokens t0 .. t1-1, for the other grouped kernel (gemm_bf16dot.c's, whose y is in
+ * expert order: pos maps a pair to its row) */
+void di_moe_combine_rows(const float *y, int64_t ldy, const int64_t *pos, int64_t t0, int64_t t1, int64_t k,
+                         const float *wts, const float *add, int64_t ldadd, float *out, int64_t ldo, int64_t H) {
+    for (int64_t t = t0; t < t1; ++t) combine_rows(y, ldy, pos, t, k, wts, add, ldadd, out + t * ldo, H);
+}
+#endif
 
 /* x: [T, H] rows ldx apart; idx: [T, k] expert ids in [0, E + xE): ids below E are the stack gu / down
  * (gu: [E][2 * ceil(I/NR)][H][NR], down: [E][ceil(H/NR)][I][NR]), the others the extra stack xgu /
@@ -574,7 +586,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         if (wts) {
             /* (the implicit barrier of the down loop: every y row is complete here) */
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; ++t) combine_rows(y, ldy, t, k, wts, add, ldadd, out + t * ldo, H);
+            for (int64_t t = 0; t < T; ++t) combine_rows(y, ldy, NULL, t, k, wts, add, ldadd, out + t * ldo, H);
         }
     }
     SCHEDULE_END
