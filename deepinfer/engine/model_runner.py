@@ -238,14 +238,24 @@ class ModelRunner:
         """With the native backend the panels are a packed weight's only use (CpuLinear never falls back to
         its values), so each such parameter becomes a placeholder (4 bytes, NaN: a stray read is loud, not
         silently wrong) and the panels its one copy: a float32 model directory was held twice (2.0x its
-        bytes), an MoE model's attention, dense and LM head weights too. The token embedding keeps its
-        values (lookups read them). Returns lin, re-keyed to the placeholders' addresses."""
+        bytes), an MoE model's attention, dense and LM head weights too. An untied token embedding keeps
+        its values (lookups read them); a tied one is looked up in the LM head's panels. Returns lin,
+        re-keyed to the placeholders' addresses."""
         from deepinfer.engine.placeholder import placeholder
 
         if getattr(lin, "backend", None) != "native":
             return lin  # oneDNN: small batches run F.linear on the weights themselves
         embed = getattr(self.model, "embed_tokens", None)
         keep = {embed.data_ptr()} if embed is not None else set()
+        tied = lin.packed.get(embed.data_ptr()) if embed is not None and getattr(self.model, "lm_head", 0) is None else None
+        if tied is not None and not tied.bf16_dot:
+            from deepinfer_kernels import native
+
+            # a tied embedding: the LM head's panels hold its values (fp32, or bf16 widening exactly) and
+            # serve the lookups, so the matrix is not kept twice (SmolLM2-135M as an fp32 directory: 1.22x
+            # its bytes resident, the embedding being the 0.2x)
+            self.model.set_embedding_impl(lambda ids, pw=tied: native.packed_rows(pw, ids))
+            keep = set()
         if self.bf16_checkpoint and embed is not None and getattr(self.model, "lm_head", None) is not None:
             from deepinfer.engine.weights16 import as_stored_bf16
 
@@ -383,13 +393,18 @@ class ModelRunner:
         dev = self.device
         bt = batch.block_tables
         nd = batch.num_decodes
-        if self.decode_stack is not None and nd == batch.num_seqs == batch.num_tokens <= self.decode_stack.max_rows:
-            # the native stack reads the block tables itself: no attention metadata to build
+        lens = batch.query_lens.tolist()
+        ctx_lens_l = batch.context_lens.tolist()
+        if self.decode_stack is not None and batch.num_tokens <= self.decode_stack.max_rows and (
+                nd == batch.num_seqs or self._all_native(lens, ctx_lens_l)):
+            # the native stack reads the block tables itself (one row per token: a prefill chunk's or a
+            # verified draft's tokens each attend to their own position's prefix, as token_attention does
+            # them on the per-op path): no attention metadata to build
+            if batch.num_tokens != batch.num_seqs:
+                bt = bt.repeat_interleave(batch.query_lens, dim=0)
             ctx = ForwardContext(slot_mapping=batch.slot_mapping, linear=self.linear, attention_fn=self.attention_fn,
                                  silu_mul=self.linear.silu_mul)
             return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows, stack_block_tables=bt)
-        lens = batch.query_lens.tolist()
-        ctx_lens_l = batch.context_lens.tolist()
         ctx = ForwardContext(slot_mapping=batch.slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn,
                              silu_mul=getattr(self.linear, "silu_mul", None))
         if self.token_attention is not None:
@@ -415,9 +430,7 @@ class ModelRunner:
         for i in range(nd, batch.num_seqs):
             n, total = lens[i], ctx_lens_l[i]
             nc = total - n
-            native = ctx.tokens is not None and (
-                self.token_attention_all or n <= NATIVE_MAX_QUERY or n * total <= NATIVE_CHUNK_WORK
-            )
+            native = ctx.tokens is not None and self._native_chunk(n, total)
             gidx = None
             if nc > 0 and not native:
                 p = torch.arange(total)
@@ -427,6 +440,14 @@ class ModelRunner:
             ctx.prefills.append(PrefillChunk(q_start, n, total, gidx, native))
             q_start += n
         return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows)
+
+    def _native_chunk(self, n: int, total: int) -> bool:
+        """Whether a run of n query tokens ending a context of `total` goes through token_attention
+        (with the decodes) rather than SDPA."""
+        return self.token_attention_all or n <= NATIVE_MAX_QUERY or n * total <= NATIVE_CHUNK_WORK
+
+    def _all_native(self, lens: list[int], ctx_lens: list[int]) -> bool:
+        return self.token_attention is not None and all(self._native_chunk(n, t) for n, t in zip(lens, ctx_lens))
 
     @torch.inference_mode()
     def forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None = None,
@@ -496,5 +517,5 @@ class PreparedBatch:
     positions: torch.Tensor  # [T]
     ctx: ForwardContext
     logit_rows: torch.Tensor  # [R] hidden rows whose logits are computed
-    # [B, max_blocks] int64 when the batch runs through the native decode stack (decode rows only)
+    # [T, max_blocks] int64 (each token's sequence's table) when the batch runs through the native stack
     stack_block_tables: torch.Tensor | None = None

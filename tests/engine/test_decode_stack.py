@@ -1,5 +1,5 @@
 """The native decode stack (deepinfer_kernels.decode_stack, bound by engine/native_decode.py) against the
-per-op path it replaces for decode-only steps: the same hidden states, logits and KV-cache contents,
+per-op path it replaces for steps of few query tokens (decodes, short prefills, draft verification): the same hidden states, logits and KV-cache contents,
 bit for bit, in the exact and int8 modes, on tiny random-weight models with GGUF block weights."""
 
 from __future__ import annotations
@@ -80,16 +80,61 @@ def test_stack_is_bitwise_the_per_op_path(tiny_models, arch, mode):
         assert not torch.equal(ref1, ref)
 
 
-def test_rows_from_panel_m_and_mixed_steps_take_the_per_op_path(tiny_models):
+def _same_as_per_op(runner, batch):
+    """Run `batch` through the per-op path, then (its rows' KV zeroed) through the stack: assert the
+    stack ran and wrote the same logits and KV cache, bit for bit."""
+    stack = runner.decode_stack
+    runner.decode_stack = None
+    ref_prep = runner.prepare(batch)
+    assert ref_prep.stack_block_tables is None
+    ref = runner.forward(ref_prep)
+    ref_cache = runner.kv_cache.clone()
+    runner.kv_cache[:, :, batch.slot_mapping] = 0
+    runner.decode_stack = stack
+    prep = runner.prepare(batch)
+    assert prep.stack_block_tables is not None
+    got = runner.forward(prep)
+    assert torch.equal(got, ref), f"max diff {(got - ref).abs().max()}"
+    assert torch.equal(runner.kv_cache, ref_cache)
+
+
+@pytest.mark.parametrize("mode", ["exact", "int8"])
+def test_prefill_and_verify_runs_go_through_the_stack_bitwise(tiny_models, mode):
+    """Several query tokens per sequence (a fresh prompt, a chunk after a cached prefix, a decode with
+    draft tokens to verify) beside plain decodes: one row per token, each attending to its own
+    position's prefix, as token_attention computes such runs on the per-op path."""
+    runner = _runner(tiny_models["qwen2"], mode)
+    rng = torch.Generator().manual_seed(11)
+    vocab = runner.model_config.vocab_size
+    tables = _tables(rng, 4, 40)
+    cached = [9, 14, 6]
+    _prefill(runner, tables[:3], [torch.randint(0, vocab, (n,), generator=rng).tolist() for n in cached])
+    toks = lambda n: torch.randint(0, vocab, (n,), generator=rng).tolist()  # noqa: E731
+    # a decode, a 4-token verify run, a 3-token chunk after a cached prefix, a fresh 5-token prompt
+    batch = ForwardBatch.build([toks(1), toks(4), toks(3), toks(5)], cached + [0], tables, [0, 1, 2, 3, 4, 7, 12], BS)
+    assert batch.num_tokens == 13 < quant.PANEL_M
+    _same_as_per_op(runner, batch)
+    # a whole short prompt alone (the first step of a request)
+    _same_as_per_op(runner, ForwardBatch.build([toks(7)], [0], tables[3:], [6], BS))
+
+
+def test_steps_the_stack_does_not_compute_take_the_per_op_path(tiny_models):
     runner = _runner(tiny_models["llama"], "exact")
     rng = torch.Generator().manual_seed(3)
     n = quant.PANEL_M
-    tables = _tables(rng, n, 12)
+    tables = _tables(rng, n, n)
     _prefill(runner, tables, [[5] * 8] * n)
     decode = ForwardBatch.build([[1]] * n, [8] * n, tables, list(range(n)), BS)
-    assert runner.prepare(decode).stack_block_tables is None
-    mixed = ForwardBatch.build([[1], [2, 3]], [8, 8], tables[:2], [0, 2], BS)
-    assert runner.prepare(mixed).stack_block_tables is None
+    assert runner.prepare(decode).stack_block_tables is None  # PANEL_M rows: other kernels in this mode
+    mixed = ForwardBatch.build([[1], [2] * (n - 1)], [8, 0], tables[:2], [0, n - 1], BS)
+    assert runner.prepare(mixed).stack_block_tables is None  # PANEL_M tokens
+    # in the int8 mode the stack takes many rows, but not a chunk SDPA computes (long, with context)
+    runner = _runner(tiny_models["llama"], "int8")
+    long = 65
+    tables = _tables(rng, 1, long + 1)
+    batch = ForwardBatch.build([[3] * long], [0], tables, [long - 1], BS)
+    assert long <= runner.decode_stack.max_rows and long * long > 4096
+    assert runner.prepare(batch).stack_block_tables is None
 
 
 def test_stack_binds_only_models_it_computes_exactly(tiny_models):

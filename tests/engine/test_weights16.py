@@ -81,6 +81,29 @@ def test_fp32_checkpoint_under_auto_stays_fp32(tiny_models):
     assert all(is_placeholder(w) for w in eng.runner.model.linear_weights())
 
 
+def test_tied_fp32_embedding_is_looked_up_in_the_lm_head_panels(tmp_path):
+    """A tied embedding is the LM head's matrix: its lookups read the packed panels (the same fp32
+    values), so the checkpoint's largest tensor is not held twice."""
+    from safetensors.torch import load_file
+
+    aligned = dict(hidden_size=96, intermediate_size=192, max_position_embeddings=64)
+    path = make_tiny_model(tmp_path / "qwen2-tied", "qwen2", tie=True, **aligned)
+    eng = Engine(str(path), **KW)
+    m = eng.runner.model
+    assert eng.precision == "float32" and m.lm_head is None and is_placeholder(m.embed_tokens)
+    table = load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"].float()
+    ids = torch.randperm(table.shape[0])[:50].view(5, 10)
+    assert torch.equal(m.embed(ids), table[ids])
+    # projections, LM head and embedding in whole panels: the checkpoint's bytes plus norms and rotary tables
+    assert eng.stats.weight_bytes <= 1.05 * eng.stats.checkpoint_bytes, (eng.stats.weight_bytes, eng.stats.checkpoint_bytes)
+    # and it generates what the unpacked fp32 engine (oneDNN on the matrices themselves) generates
+    ref = Engine(str(path), cpu_prepack=False, **KW)
+    assert not is_placeholder(ref.runner.model.embed_tokens)
+    prompts = random_prompts(4, seed=5, lo=3, hi=20)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in ref.generate(prompts, sp)]
+
+
 def test_16bit_storage_is_batch_invariant(ckpts):
     eng = Engine(str(ckpts[("llama", torch.bfloat16)]), kv_cache_memory=16 << 20, block_size=4,
                  batch_invariant=True, max_num_batched_tokens=96)
