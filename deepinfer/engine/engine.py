@@ -19,6 +19,7 @@ from typing import Any, Sequence as Seq
 import torch
 
 from deepinfer.engine.admission import error_output, prompt_list, typed_admission_errors
+from deepinfer.engine.compute_thread import compute_thread
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_pools import make_kv
 from deepinfer.engine.draft_model import DRAFT_KEY
@@ -56,10 +57,20 @@ class Engine:
     """
 
     def __init__(self, model: str | None = None, **options: Any):
-        from deepinfer.engine.loader import load_model  # heavy imports only when an engine is built
-
         self.config = cfg = EngineConfig.from_kwargs(model, options)
         self.device = precision.resolve_device(cfg.device)
+        # on CPU every kernel runs on the process's one compute thread, whichever thread calls (see
+        # compute_thread.py: OpenMP slows down once a second thread has run its kernels)
+        self._compute = compute_thread() if self.device.type == "cpu" and cfg.expert_parallel_size <= 1 else None
+        self._on_compute(self._build, model)
+
+    def _on_compute(self, fn, *args):
+        return fn(*args) if self._compute is None else self._compute.run(fn, *args)
+
+    def _build(self, model: str | None) -> None:
+        from deepinfer.engine.loader import load_model  # heavy imports only when an engine is built
+
+        cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         if self.device.type == "cpu":
@@ -277,6 +288,9 @@ class Engine:
         that share KV through the radix cache once the parent's prefix is cached.
         """
         self._require_driver()
+        return self._on_compute(self._fork, request_id, n, params)
+
+    def _fork(self, request_id: str, n: int, params) -> list[str]:
         self._drain()  # the parent's token in flight must be known before children copy its tokens
         parent = self._seqs.get(request_id)
         if parent is None or parent.is_finished:
@@ -345,7 +359,7 @@ class Engine:
         if self._failure is not None:
             raise self._failure
         try:
-            return self._step()
+            return self._on_compute(self._step)
         except DistributedWorkerError as e:
             return self._fail_all(e)
 
@@ -678,7 +692,7 @@ class Engine:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        self._drain()  # release what the last forward in flight still holds
+        self._on_compute(self._drain)  # release what the last forward in flight still holds
         return [results[o] if isinstance(o, str) else o for o in order]
 
     def num_free_blocks(self) -> int:
