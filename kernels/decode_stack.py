@@ -1,12 +1,14 @@
 """The native decode stack (csrc/decode_stack.c): every decoder layer of a dense Llama / Qwen2 model
-for a decode-only batch (one query token per sequence; up to `max_rows`) in one C call,
-on GGUF block weights as stored (`quant.QuantWeight`), fp32 activations and KV cache.
+for a batch of few query tokens (up to `max_rows`: decodes, drafts to verify, short prefill chunks;
+one row per token, attending to its own position's prefix) in one C call, on GGUF block weights as
+stored (`quant.QuantWeight`), fp32 activations and KV cache.
 
-It calls the kernels the per-op path calls (quant's row kernels in the exact or int8 mode, from 16 rows
-the int8 mode's outer kernel (the int8 row kernel's bits), the native
-RMSNorm, rotary + KV store, token attention, silu * mul) with the same arguments in the same order,
-so its hidden states are bit-identical to that path's; it saves the Python between the ops (~10 per
-layer at ~17 us each against a few us of work for the small ones at batch 1).
+It calls the kernels the per-op path calls (quant's row kernels in the exact or int8 mode; from 16
+rows the int8 mode's outer kernel (the int8 row kernel's bits) or the exact mode's `many` kernel
+(panel, outer or bf16: the one QuantLinear picks), the native RMSNorm, rotary + KV store, token
+attention, silu * mul) with the same arguments in the same order, so its hidden states are
+bit-identical to that path's; it saves the Python between the ops (~10 per layer at ~17 us each
+against a few us of work for the small ones at batch 1).
 
 `DecodeStack(...)` binds the weights, the caches and the rotary tables once (their addresses: the
 tensors must not be replaced afterwards); a call passes only the step's tensors.
@@ -33,7 +35,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "slots",
-                                    "block_size", "positions", "mode", "max_rows")] + [
+                                    "block_size", "positions", "mode", "max_rows", "many")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)), ("work", _ptr)]
 
@@ -41,6 +43,9 @@ class _Model(ctypes.Structure):
 _ERRORS = {1: "rows or layer count out of range", 2: "a position is outside the rotary table or the block table",
            3: "a KV slot is outside the cache", 4: "out of memory", 5: "a projection kernel refused its weight"}
 _MODES = {"exact": 0, "int8": 1}
+# the exact mode's kernel from quant.PANEL_M rows, as QuantLinear picks it: "panel" (the row kernel's
+# bits: qlinear(mode="exact"), the batch-invariant mode), "outer" (qlinear_outer), "bf16" (qlinear_bf16)
+_MANY = {"panel": 0, "outer": 1, "bf16": 2}
 
 
 def _configure(lib) -> None:
@@ -78,12 +83,15 @@ def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 class DecodeStack:
     """hidden = stack(x, positions, slots, block_tables): the decoder layers and the final norm over the
-    token embeddings x [M, hidden] of M < max_rows + 1 decode rows (see csrc/decode_stack.c)."""
+    token embeddings x [M, hidden] of M < max_rows + 1 query rows (see csrc/decode_stack.c)."""
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 eps: float, num_heads: int, block_size: int, mode: str, max_rows: int = quant.PANEL_M - 1):
+                 eps: float, num_heads: int, block_size: int, mode: str, max_rows: int = quant.PANEL_M - 1,
+                 many: str = "panel"):
         if mode not in _MODES:
             raise KernelInputError(f"DecodeStack: mode must be one of {tuple(_MODES)}, got {mode!r}")
+        if many not in _MANY:
+            raise KernelInputError(f"DecodeStack: many must be one of {tuple(_MANY)}, got {many!r}")
         if not layers or max_rows < 1 or block_size < 1:
             raise KernelInputError("DecodeStack: needs at least one layer, max_rows >= 1 and block_size >= 1")
         lib = _lib()
@@ -123,14 +131,14 @@ class DecodeStack:
             self._keep += [ly.in_norm, ly.post_norm, ly.qkv_bias, ly.k_cache, ly.v_cache]
         m = self._model = _Model(n_layers=len(layers), hidden=hidden, heads=num_heads, kv_heads=kv_heads,
                                  head_dim=head_dim, inter=inter, slots=slots, block_size=block_size,
-                                 positions=positions, mode=_MODES[mode], max_rows=max_rows, eps=eps,
+                                 positions=positions, mode=_MODES[mode], max_rows=max_rows, many=_MANY[many], eps=eps,
                                  scale=head_dim**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
                                  final_norm=final_norm.data_ptr(), layers=self._layers)
         self._work = torch.empty(lib.di_decode_stack_work_bytes(ctypes.byref(m)), dtype=torch.uint8)
         m.work = self._work.data_ptr()
         self._ref = ctypes.byref(m)
         self._call = lib.di_decode_stack
-        self.num_layers, self.hidden, self.max_rows, self.mode = len(layers), hidden, max_rows, mode
+        self.num_layers, self.hidden, self.max_rows, self.mode, self.many = len(layers), hidden, max_rows, mode, many
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  num_layers: int | None = None) -> torch.Tensor:

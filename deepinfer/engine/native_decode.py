@@ -1,7 +1,8 @@
 """The native decode stack for a model on GGUF block weights (deepinfer_kernels.decode_stack): which
 models it binds, and binding it.
 
-A decode-only step (in the int8 mode any, else of fewer than quant.PANEL_M rows) runs every decoder
+A step of few query tokens (decodes, drafts to verify, short prefill chunks; up to max_num_seqs
+rows, or fewer than quant.PANEL_M where the CPU lacks AVX2 in the exact modes) runs every decoder
 layer in one C call instead of ~10 Python-driven ops per layer (ModelRunner._forward), with the same kernels in the same order:
 the same bits as the per-op path, so the batch-invariant mode holds through it. Bound only for the
 plain dense decoder (Llama, Qwen2: GQA attention with rotate-half rope, optional q|k|v bias, gated
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, GatedMLP, RMSNorm
-from deepinfer.engine.quant_linear import QuantLinear
+from deepinfer.engine.quant_linear import BF16_M, OUTER_M, QuantLinear
 from deepinfer_kernels import native, quant
 from deepinfer_kernels.decode_stack import DecodeStack, StackLayer
 
@@ -23,7 +24,7 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
                       block_size: int, max_seqs: int = 1) -> DecodeStack | None:
     """The stack over `model`'s layers and caches, or None when the model is not one it computes
     exactly as the per-op path does (see the module docstring). It takes steps of up to max_seqs rows
-    in the int8 mode (see `stack_rows`), fewer than quant.PANEL_M in the exact one."""
+    (see `stack_kernels`)."""
     if not isinstance(linear, QuantLinear) or type(model).forward is not DecoderForCausalLM.forward:
         return None
     if type(model).embed is not DecoderForCausalLM.embed or len(kv_caches) != len(model.layers) or not kv_caches:
@@ -48,16 +49,23 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
         bias = attn.qkv_bias.data if attn.qkv_bias is not None else None
         layers.append(StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                                  blocks[0], bias, blocks[1], blocks[2], blocks[3], kc, vc))
+    rows, many = stack_kernels(linear, max_seqs)
     return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps, model.layers[0].self_attn.n_heads,
-                       block_size, linear.row_mode, stack_rows(linear, max_seqs))
+                       block_size, linear.row_mode, rows, many)
 
 
-def stack_rows(linear: QuantLinear, max_seqs: int) -> int:
-    """The most rows the stack takes: in the int8 mode every decode step (its projections from
-    INT8_OUTER_M rows are the vpdpbusd outer kernel, the row kernel's bits, as QuantLinear runs them);
-    in the exact and bf16 modes fewer than PANEL_M (from there QuantLinear runs other kernels).
+def stack_kernels(linear: QuantLinear, max_seqs: int) -> tuple[int, str]:
+    """(the most rows the stack takes, the exact modes' kernel from PANEL_M rows): every step of up to
+    max_seqs rows, with QuantLinear's kernels at each row count. In the int8 mode those are the row
+    kernel and from INT8_OUTER_M rows the vpdpbusd outer kernel (its bits); in the exact and bf16 modes
+    the row kernel and from PANEL_M rows the panel kernel (batch-invariant mode), the outer-product
+    kernel (exact) or the bf16 one (bf16 mode). Without AVX2, QuantLinear dequantises many rows for
+    oneDNN instead, which the stack does not: there it stops below PANEL_M rows in those modes.
     SmolLM2-135M Q4_1 at 128 decode rows, the per-op path spent ~17 us of Python and a fresh torch
     output (page faults on the MB-sized ones) per op, ~10 ops per layer."""
+    rows = max(max_seqs, quant.PANEL_M - 1)
     if linear.mode == "int8":
-        return max(max_seqs, quant.PANEL_M - 1)
-    return quant.PANEL_M - 1
+        return rows, "panel"
+    if not linear.avx2 or not OUTER_M == BF16_M == quant.PANEL_M:
+        return quant.PANEL_M - 1, "panel"
+    return rows, "panel" if linear.invariant else "bf16" if linear.mode == "bf16" else "outer"

@@ -1,5 +1,6 @@
-/* Every decoder layer of a dense Llama / Qwen2 model for a decode-only batch (one query token per
- * sequence, M rows) in one call, weights as GGUF blocks (csrc/qgemm.c), fp32 activations and KV cache.
+/* Every decoder layer of a dense Llama / Qwen2 model for a batch of M query tokens (decodes, drafts
+ * to verify, short prefill chunks: row t attends to positions 0..pos[t] of its sequence) in one call,
+ * weights as GGUF blocks (csrc/qgemm.c), fp32 activations and KV cache.
  *
  * Per layer: add + RMSNorm, q|k|v projection (+ bias), rotary + KV-cache store, attention over the
  * paged cache, o projection, add + RMSNorm, gate|up projection, silu * mul, down projection; then the
@@ -50,6 +51,7 @@ typedef struct {
     int64_t positions;  /* rows of the rotary tables */
     int64_t mode;       /* DI_Q_EXACT or DI_Q_INT8 */
     int64_t max_rows;   /* rows the scratch holds */
+    int64_t many;       /* the exact mode's kernel from DS_PANEL_M rows: DS_MANY_PANEL / _OUTER / _BF16 */
     float eps, scale;
     const float *cos, *sin; /* [positions, head_dim], sin carrying rotate_half's sign */
     const float *final_norm;
@@ -103,9 +105,34 @@ static size_t carve(const di_ds_model *m, char *base, scratch *s) {
 
 int64_t di_decode_stack_work_bytes(const di_ds_model *m) { return (int64_t)carve(m, 0, 0); }
 
-/* qgemm_i8_outer.c: the int8 row kernel's bits from many rows (1 where it refuses) */
+/* the many-row kernels (1 where one refuses): qgemm_i8_outer.c (the int8 row kernel's bits),
+ * qgemm_panel.c (the exact row kernel's bits), qgemm_outer.c and qgemm_bf16.c (one fixed order each) */
 int di_qgemm_outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
                       int64_t N, int64_t K, float *y, int64_t ldy);
+int di_qgemm_panel(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
+                   int64_t N, int64_t K, float *y, int64_t ldy);
+int di_qgemm_outer(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
+                   int64_t N, int64_t K, float *y, int64_t ldy);
+int di_qgemm_outer_bf16(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
+                        int64_t N, int64_t K, float *y, int64_t ldy);
+
+/* quant.PANEL_M: from here QuantLinear's exact-mode calls leave the row kernel for the kernel `many`
+ * names (quant_linear.py: the panel kernel in the batch-invariant mode, else the outer-product kernel,
+ * or in the bf16 mode the bf16 one; OUTER_M = BF16_M = PANEL_M there), each falling back as
+ * quant.py's wrappers do where it refuses */
+#define DS_PANEL_M 16
+enum { DS_MANY_PANEL = 0, DS_MANY_OUTER = 1, DS_MANY_BF16 = 2 };
+
+static int project_exact(const di_ds_model *m, const di_ds_weight w, const float *x, int64_t M, float *y) {
+    if (M < DS_PANEL_M) return di_qgemm_exact_bound(w, x, M, y);
+    const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
+    const int64_t rb = w[1], N = w[3], K = w[4];
+    const int fmt = (int)w[2];
+    if (m->many == DS_MANY_BF16 && !di_qgemm_outer_bf16(x, K, M, wp, rb, fmt, N, K, y, N)) return 0;
+    if (m->many >= DS_MANY_OUTER && !di_qgemm_outer(x, K, M, wp, rb, fmt, N, K, y, N)) return 0;
+    if (!di_qgemm_panel(x, K, M, wp, rb, fmt, N, K, y, N)) return 0;
+    return di_qgemm(DI_Q_EXACT, 1, x, K, 0, 0, 0, M, wp, rb, fmt, N, K, y, N);
+}
 
 /* rows from which the int8 mode runs the vpdpbusd outer kernel, as QuantLinear (INT8_OUTER_M); the
  * same bits as the row path, so this only picks the faster kernel */
@@ -113,15 +140,15 @@ int di_qgemm_outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w, 
 /* Q4_0 / Q4_1 weights from fewer rows (quant_linear.py INT8_OUTER_M_Q4, where the figures are) */
 #define DS_OUTER_ROWS_Q4 8
 
-/* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's call in this mode (exact, below PANEL_M rows:
- * RowKernel; int8: qlinear's quantise-then-integer-dot path, level 1, or from DS_OUTER_ROWS rows
- * qlinear_int8_outer where it runs) */
+/* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's call in this mode (exact: below PANEL_M rows
+ * RowKernel, from there project_exact; int8: qlinear's quantise-then-integer-dot path, level 1, or
+ * from DS_OUTER_ROWS rows qlinear_int8_outer where it runs) */
 static int project(const di_ds_model *m, const scratch *s, const di_ds_weight w, const float *x, int64_t M,
                    const float *bias, float *y) {
     int rc;
     const int64_t N = w[3], K = w[4];
     if (m->mode == DI_Q_EXACT) {
-        rc = di_qgemm_exact_bound(w, x, M, y);
+        rc = project_exact(m, w, x, M, y);
     } else if (M >= ((w[2] == FMT_Q4_0 || w[2] == FMT_Q4_1) ? DS_OUTER_ROWS_Q4 : DS_OUTER_ROWS) &&
                !di_qgemm_outer_i8(x, K, M, (const uint8_t *)(intptr_t)w[0], w[1], (int)w[2], N, K, y, N)) {
         rc = 0;

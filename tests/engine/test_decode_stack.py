@@ -12,6 +12,7 @@ from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.loader import load_model
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer_kernels import KernelInputError, quant
+from deepinfer_kernels.decode_stack import DecodeStack
 
 if not quant.available():
     pytest.skip("no C compiler here: the native kernels are not built", allow_module_level=True)
@@ -42,22 +43,30 @@ def _prefill(runner, tables, prompts):
     runner.forward(runner.prepare(batch))
 
 
+AVX2 = quant.cpu_level() >= 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q|k|v bias, tied embedding
-@pytest.mark.parametrize("mode", ["exact", "int8"])
-def test_stack_is_bitwise_the_per_op_path(tiny_models, arch, mode):
-    runner = _runner(tiny_models[arch], mode)
-    assert runner.decode_stack is not None and runner.decode_stack.mode == mode
+@pytest.mark.parametrize("mode,invariant", [("exact", False), ("exact", True), ("bf16", False), ("int8", False)],
+                         ids=["exact", "exact-invariant", "bf16", "int8"])
+def test_stack_is_bitwise_the_per_op_path(tiny_models, arch, mode, invariant):
+    runner = _runner(tiny_models[arch], mode, batch_invariant=invariant)
     stack = runner.decode_stack
+    assert stack is not None and stack.mode == ("int8" if mode == "int8" else "exact")
     rng = torch.Generator().manual_seed(7)
-    # the exact mode's most rows; the int8 mode takes any step (from 16 rows its projections run the
-    # vpdpbusd outer kernel where the CPU has it, as the per-op path does)
-    n = quant.PANEL_M - 1 if mode == "exact" else 2 * quant.PANEL_M + 3
-    assert stack.max_rows == (n if mode == "exact" else runner.config.max_num_seqs)
+    # every step up to max_num_seqs rows, with QuantLinear's kernel at each row count: from 16 rows the
+    # int8 mode's vpdpbusd outer kernel, the exact mode's panel (batch-invariant) or outer-product
+    # kernel, the bf16 mode's bf16 kernel (without AVX2 the exact modes stop below PANEL_M rows)
+    many = AVX2 or mode == "int8"
+    n = 2 * quant.PANEL_M + 3 if many else quant.PANEL_M - 1
+    assert stack.max_rows == (runner.config.max_num_seqs if many else n)
+    if many and mode != "int8":
+        assert stack.many == ("panel" if invariant else "bf16" if mode == "bf16" else "outer")
     lens = torch.randint(3, 40, (n,), generator=rng).tolist()
     tables = _tables(rng, n, max(lens) + 1)
     vocab = runner.model_config.vocab_size
     _prefill(runner, tables, [torch.randint(0, vocab, (L,), generator=rng).tolist() for L in lens])
-    for rows in (1, 3, n) if mode == "exact" else (1, 3, quant.PANEL_M, n):
+    for rows in (1, 3, quant.PANEL_M, n) if many else (1, 3, n):
         toks = torch.randint(0, vocab, (rows,), generator=rng).tolist()
         batch = ForwardBatch.build([[t] for t in toks], lens[:rows], tables[:rows], list(range(rows)), BS)
         runner.decode_stack = None
@@ -118,23 +127,25 @@ def test_prefill_and_verify_runs_go_through_the_stack_bitwise(tiny_models, mode)
     _same_as_per_op(runner, ForwardBatch.build([toks(7)], [0], tables[3:], [6], BS))
 
 
-def test_steps_the_stack_does_not_compute_take_the_per_op_path(tiny_models):
-    runner = _runner(tiny_models["llama"], "exact")
+@pytest.mark.parametrize("mode", ["exact", "int8"])
+def test_steps_the_stack_does_not_compute_take_the_per_op_path(tiny_models, mode):
+    runner = _runner(tiny_models["llama"], mode)
     rng = torch.Generator().manual_seed(3)
-    n = quant.PANEL_M
-    tables = _tables(rng, n, n)
-    _prefill(runner, tables, [[5] * 8] * n)
-    decode = ForwardBatch.build([[1]] * n, [8] * n, tables, list(range(n)), BS)
-    assert runner.prepare(decode).stack_block_tables is None  # PANEL_M rows: other kernels in this mode
-    mixed = ForwardBatch.build([[1], [2] * (n - 1)], [8, 0], tables[:2], [0, n - 1], BS)
-    assert runner.prepare(mixed).stack_block_tables is None  # PANEL_M tokens
-    # in the int8 mode the stack takes many rows, but not a chunk SDPA computes (long, with context)
-    runner = _runner(tiny_models["llama"], "int8")
+    top = runner.decode_stack.max_rows
+    # a chunk SDPA computes (long, with context): not token attention's, so not the stack's
     long = 65
     tables = _tables(rng, 1, long + 1)
     batch = ForwardBatch.build([[3] * long], [0], tables, [long - 1], BS)
-    assert long <= runner.decode_stack.max_rows and long * long > 4096
+    assert long * long > 4096
     assert runner.prepare(batch).stack_block_tables is None
+    # more tokens than the stack holds
+    n = top + 1
+    tables = _tables(rng, n, 12)
+    _prefill(runner, tables, [[5] * 8] * n)
+    decode = ForwardBatch.build([[1]] * n, [8] * n, tables, list(range(n)), BS)
+    assert runner.prepare(decode).stack_block_tables is None
+    assert runner.prepare(ForwardBatch.build([[1]] * top, [8] * top, tables[:top], list(range(top)), BS)
+                          ).stack_block_tables is not None
 
 
 def test_stack_binds_only_models_it_computes_exactly(tiny_models):
@@ -158,9 +169,12 @@ def test_stack_rejects_bad_steps(tiny_models):
         stack(x, pos, torch.tensor([3, 1 << 40]), bt)
     with pytest.raises(KernelInputError, match="KV slot"):
         stack(x, pos, slots, torch.tensor([[0, 1, 2], [0, 1, 1 << 40]]))
-    with pytest.raises(KernelInputError, match=f"M <= {quant.PANEL_M - 1}"):
-        stack(torch.randn(quant.PANEL_M, stack.hidden), torch.zeros(quant.PANEL_M, dtype=torch.long),
-              torch.zeros(quant.PANEL_M, dtype=torch.long), torch.zeros(quant.PANEL_M, 1, dtype=torch.long))
+    m = stack.max_rows + 1
+    with pytest.raises(KernelInputError, match=f"M <= {stack.max_rows}"):
+        stack(torch.randn(m, stack.hidden), torch.zeros(m, dtype=torch.long), torch.zeros(m, dtype=torch.long),
+              torch.zeros(m, 1, dtype=torch.long))
+    with pytest.raises(KernelInputError, match="many must be one of"):
+        DecodeStack([], torch.ones(1), torch.ones(1), torch.ones(1), 1e-6, 4, BS, "exact", many="fast")
     with pytest.raises(KernelInputError, match="positions"):
         stack(x, pos.int(), slots, bt)
     with pytest.raises(KernelInputError, match="layer count"):
