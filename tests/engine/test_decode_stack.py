@@ -46,6 +46,25 @@ def _prefill(runner, tables, prompts):
 AVX2 = quant.cpu_level() >= 1
 
 
+def _same_as_per_op(runner, batch):
+    """Run `batch` through the per-op path, then (its rows' KV zeroed) through the stack: assert the
+    stack ran and wrote the same logits and KV cache, bit for bit. Returns the logits."""
+    stack = runner.decode_stack
+    runner.decode_stack = None
+    ref_prep = runner.prepare(batch)
+    assert ref_prep.stack_block_tables is None
+    ref = runner.forward(ref_prep)
+    ref_cache = runner.kv_cache.clone()
+    runner.kv_cache[:, :, batch.slot_mapping] = 0  # the stack writes these rows' K and V in every layer
+    runner.decode_stack = stack
+    prep = runner.prepare(batch)
+    assert prep.stack_block_tables is not None
+    got = runner.forward(prep)
+    assert torch.equal(got, ref), f"{batch.num_tokens} rows: max diff {(got - ref).abs().max()}"
+    assert torch.equal(runner.kv_cache, ref_cache)
+    return ref
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q|k|v bias, tied embedding
 @pytest.mark.parametrize("mode,invariant", [("exact", False), ("exact", True), ("bf16", False), ("int8", False)],
                          ids=["exact", "exact-invariant", "bf16", "int8"])
@@ -69,42 +88,13 @@ def test_stack_is_bitwise_the_per_op_path(tiny_models, arch, mode, invariant):
     for rows in (1, 3, quant.PANEL_M, n) if many else (1, 3, n):
         toks = torch.randint(0, vocab, (rows,), generator=rng).tolist()
         batch = ForwardBatch.build([[t] for t in toks], lens[:rows], tables[:rows], list(range(rows)), BS)
-        runner.decode_stack = None
-        ref_prep = runner.prepare(batch)
-        assert ref_prep.stack_block_tables is None
-        ref = runner.forward(ref_prep)
-        ref_cache = runner.kv_cache.clone()
-        runner.kv_cache[:, :, batch.slot_mapping] = 0  # the stack writes these rows' K and V in every layer
-        runner.decode_stack = stack
-        prep = runner.prepare(batch)
-        assert prep.stack_block_tables is not None
-        got = runner.forward(prep)
-        assert torch.equal(got, ref), f"{rows} rows: max diff {(got - ref).abs().max()}"
-        assert torch.equal(runner.kv_cache, ref_cache)
+        ref = _same_as_per_op(runner, batch)
         # an early exit (self-drafting) runs the first layers, then the final norm
         runner.decode_stack = None
         ref1 = runner.forward(runner.prepare(batch), num_layers=1)
         runner.decode_stack = stack
         assert torch.equal(runner.forward(runner.prepare(batch), num_layers=1), ref1)
         assert not torch.equal(ref1, ref)
-
-
-def _same_as_per_op(runner, batch):
-    """Run `batch` through the per-op path, then (its rows' KV zeroed) through the stack: assert the
-    stack ran and wrote the same logits and KV cache, bit for bit."""
-    stack = runner.decode_stack
-    runner.decode_stack = None
-    ref_prep = runner.prepare(batch)
-    assert ref_prep.stack_block_tables is None
-    ref = runner.forward(ref_prep)
-    ref_cache = runner.kv_cache.clone()
-    runner.kv_cache[:, :, batch.slot_mapping] = 0
-    runner.decode_stack = stack
-    prep = runner.prepare(batch)
-    assert prep.stack_block_tables is not None
-    got = runner.forward(prep)
-    assert torch.equal(got, ref), f"max diff {(got - ref).abs().max()}"
-    assert torch.equal(runner.kv_cache, ref_cache)
 
 
 @pytest.mark.parametrize("mode", ["exact", "int8"])
