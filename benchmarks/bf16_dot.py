@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 
-from common import make_prompts
+from common import make_prompts, run_on_compute_thread
 
 from deepinfer import Engine, SamplingParams
 from deepinfer_kernels import native
@@ -128,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_on_compute_thread(main)  # (common.py: one OpenMP thread for engine and reference)

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch
 
-from common import save_random_moe
+from common import save_random_moe, run_on_compute_thread
 from deepinfer import Engine, SamplingParams
 
 PROMPT_LEN = 16
@@ -271,4 +271,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_on_compute_thread(main)  # (common.py: one OpenMP thread for engine and reference)

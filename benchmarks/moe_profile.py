@@ -24,6 +24,8 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from common import run_on_compute_thread
+
 import torch
 
 from deepinfer import Engine, SamplingParams
@@ -151,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_on_compute_thread(main)  # (common.py: one OpenMP thread for engine and reference)

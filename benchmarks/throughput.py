@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 
-from common import hf_reference_model, make_prompts, read_bandwidth_gbs, timed
+from common import hf_reference_model, make_prompts, read_bandwidth_gbs, timed, run_on_compute_thread
 from vllm_peer import start_vllm
 
 from deepinfer import Engine, SamplingParams
@@ -240,4 +240,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_on_compute_thread(main)  # (common.py: one OpenMP thread for engine and reference)

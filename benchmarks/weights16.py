@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 
-from common import make_prompts, timed
+from common import make_prompts, timed, run_on_compute_thread
 
 from deepinfer import Engine, SamplingParams
 
@@ -90,4 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_on_compute_thread(main)  # (common.py: one OpenMP thread for engine and reference)
