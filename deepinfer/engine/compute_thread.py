@@ -13,6 +13,10 @@ are serialised, as they would be on the same cores anyway) and handed one call a
 
 Only CPU engines without expert parallelism use it (Engine): a CUDA engine's kernels are not
 OpenMP's, and an expert-parallel rank keeps torch.distributed on the thread that set it up.
+
+The cost comes back where the process runs torch work of its own on another thread (a transformers
+model beside the engine: benchmarks/moe.py's DeepSeek-V3 model ran 36.9 tok/s at batch 1 so, 86.5 with
+transformers on this thread too): such work belongs here as well, `compute_thread().run(fn)`.
 """
 
 from __future__ import annotations
