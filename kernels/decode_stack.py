@@ -35,7 +35,8 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "slots",
-                                    "block_size", "positions", "mode", "max_rows", "many")] + [
+                                    "block_size", "positions", "mode", "max_rows", "many", "panel_m",
+                                    "outer_rows", "outer_rows_q4")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)), ("work", _ptr)]
 
@@ -83,11 +84,16 @@ def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 class DecodeStack:
     """hidden = stack(x, positions, slots, block_tables): the decoder layers and the final norm over the
-    token embeddings x [M, hidden] of M < max_rows + 1 query rows (see csrc/decode_stack.c)."""
+    token embeddings x [M, hidden] of M < max_rows + 1 query rows (see csrc/decode_stack.c).
+
+    many: the exact mode's kernel from quant.PANEL_M rows (see _MANY); int8_outer_rows: the rows
+    (Q8_0, Q4_0 / Q4_1) from which the int8 mode runs the vpdpbusd outer kernel (the row kernel's bits,
+    so they only pick the faster kernel; the default never does). The caller passes what its per-op
+    path uses (native_decode.py: quant_linear's)."""
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float, num_heads: int, block_size: int, mode: str, max_rows: int = quant.PANEL_M - 1,
-                 many: str = "panel"):
+                 many: str = "panel", int8_outer_rows: tuple[int, int] = (1 << 62, 1 << 62)):
         if mode not in _MODES:
             raise KernelInputError(f"DecodeStack: mode must be one of {tuple(_MODES)}, got {mode!r}")
         if many not in _MANY:
@@ -131,7 +137,8 @@ class DecodeStack:
             self._keep += [ly.in_norm, ly.post_norm, ly.qkv_bias, ly.k_cache, ly.v_cache]
         m = self._model = _Model(n_layers=len(layers), hidden=hidden, heads=num_heads, kv_heads=kv_heads,
                                  head_dim=head_dim, inter=inter, slots=slots, block_size=block_size,
-                                 positions=positions, mode=_MODES[mode], max_rows=max_rows, many=_MANY[many], eps=eps,
+                                 positions=positions, mode=_MODES[mode], max_rows=max_rows, many=_MANY[many],
+                                 panel_m=quant.PANEL_M, outer_rows=int8_outer_rows[0], outer_rows_q4=int8_outer_rows[1], eps=eps,
                                  scale=head_dim**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
                                  final_norm=final_norm.data_ptr(), layers=self._layers)
         self._work = torch.empty(lib.di_decode_stack_work_bytes(ctypes.byref(m)), dtype=torch.uint8)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, GatedMLP, RMSNorm
-from deepinfer.engine.quant_linear import BF16_M, OUTER_M, QuantLinear
+from deepinfer.engine.quant_linear import BF16_M, INT8_OUTER_M, INT8_OUTER_M_Q4, OUTER_M, QuantLinear
 from deepinfer_kernels import native, quant
 from deepinfer_kernels.decode_stack import DecodeStack, StackLayer
 
@@ -51,7 +51,7 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
                                  blocks[0], bias, blocks[1], blocks[2], blocks[3], kc, vc))
     rows, many = stack_kernels(linear, max_seqs)
     return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps, model.layers[0].self_attn.n_heads,
-                       block_size, linear.row_mode, rows, many)
+                       block_size, linear.row_mode, rows, many, (INT8_OUTER_M, INT8_OUTER_M_Q4))
 
 
 def stack_kernels(linear: QuantLinear, max_seqs: int) -> tuple[int, str]:

@@ -51,7 +51,9 @@ typedef struct {
     int64_t positions;  /* rows of the rotary tables */
     int64_t mode;       /* DI_Q_EXACT or DI_Q_INT8 */
     int64_t max_rows;   /* rows the scratch holds */
-    int64_t many;       /* the exact mode's kernel from DS_PANEL_M rows: DS_MANY_PANEL / _OUTER / _BF16 */
+    int64_t many;       /* the exact mode's kernel from panel_m rows: DS_MANY_PANEL / _OUTER / _BF16 */
+    int64_t panel_m;    /* quant.PANEL_M: the exact mode's row kernel stops below it */
+    int64_t outer_rows, outer_rows_q4; /* the int8 mode's vpdpbusd kernel from these rows (Q8_0 / Q4_x) */
     float eps, scale;
     const float *cos, *sin; /* [positions, head_dim], sin carrying rotate_half's sign */
     const float *final_norm;
@@ -116,15 +118,16 @@ int di_qgemm_outer(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int
 int di_qgemm_outer_bf16(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
                         int64_t N, int64_t K, float *y, int64_t ldy);
 
-/* quant.PANEL_M: from here QuantLinear's exact-mode calls leave the row kernel for the kernel `many`
- * names (quant_linear.py: the panel kernel in the batch-invariant mode, else the outer-product kernel,
- * or in the bf16 mode the bf16 one; OUTER_M = BF16_M = PANEL_M there), each falling back as
- * quant.py's wrappers do where it refuses */
-#define DS_PANEL_M 16
+/* From panel_m rows QuantLinear's exact-mode calls leave the row kernel for the kernel `many` names
+ * (quant_linear.py: the panel kernel in the batch-invariant mode, else the outer-product kernel, or in
+ * the bf16 mode the bf16 one; OUTER_M = BF16_M = PANEL_M there), each falling back as quant.py's
+ * wrappers do where it refuses. The int8 mode's thresholds (outer_rows*) are quant_linear.py's
+ * INT8_OUTER_M / INT8_OUTER_M_Q4 (the same bits as the row path: they only pick the faster kernel).
+ * All are the caller's (deepinfer_kernels/decode_stack.py), so the two paths share one definition. */
 enum { DS_MANY_PANEL = 0, DS_MANY_OUTER = 1, DS_MANY_BF16 = 2 };
 
 static int project_exact(const di_ds_model *m, const di_ds_weight w, const float *x, int64_t M, float *y) {
-    if (M < DS_PANEL_M) return di_qgemm_exact_bound(w, x, M, y);
+    if (M < m->panel_m) return di_qgemm_exact_bound(w, x, M, y);
     const uint8_t *wp = (const uint8_t *)(intptr_t)w[0];
     const int64_t rb = w[1], N = w[3], K = w[4];
     const int fmt = (int)w[2];
@@ -134,22 +137,16 @@ static int project_exact(const di_ds_model *m, const di_ds_weight w, const float
     return di_qgemm(DI_Q_EXACT, 1, x, K, 0, 0, 0, M, wp, rb, fmt, N, K, y, N);
 }
 
-/* rows from which the int8 mode runs the vpdpbusd outer kernel, as QuantLinear (INT8_OUTER_M); the
- * same bits as the row path, so this only picks the faster kernel */
-#define DS_OUTER_ROWS 16
-/* Q4_0 / Q4_1 weights from fewer rows (quant_linear.py INT8_OUTER_M_Q4, where the figures are) */
-#define DS_OUTER_ROWS_Q4 8
-
 /* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's call in this mode (exact: below PANEL_M rows
  * RowKernel, from there project_exact; int8: qlinear's quantise-then-integer-dot path, level 1, or
- * from DS_OUTER_ROWS rows qlinear_int8_outer where it runs) */
+ * from outer_rows rows qlinear_int8_outer where it runs) */
 static int project(const di_ds_model *m, const scratch *s, const di_ds_weight w, const float *x, int64_t M,
                    const float *bias, float *y) {
     int rc;
     const int64_t N = w[3], K = w[4];
     if (m->mode == DI_Q_EXACT) {
         rc = project_exact(m, w, x, M, y);
-    } else if (M >= ((w[2] == FMT_Q4_0 || w[2] == FMT_Q4_1) ? DS_OUTER_ROWS_Q4 : DS_OUTER_ROWS) &&
+    } else if (M >= ((w[2] == FMT_Q4_0 || w[2] == FMT_Q4_1) ? m->outer_rows_q4 : m->outer_rows) &&
                !di_qgemm_outer_i8(x, K, M, (const uint8_t *)(intptr_t)w[0], w[1], (int)w[2], N, K, y, N)) {
         rc = 0;
     } else {
