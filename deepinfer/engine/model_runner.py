@@ -247,7 +247,9 @@ class ModelRunner:
             return lin  # oneDNN: small batches run F.linear on the weights themselves
         embed = getattr(self.model, "embed_tokens", None)
         keep = {embed.data_ptr()} if embed is not None else set()
-        tied = lin.packed.get(embed.data_ptr()) if embed is not None and getattr(self.model, "lm_head", 0) is None else None
+        # tied: the model has an lm_head slot and it is empty (the embedding is the head)
+        is_tied = embed is not None and hasattr(self.model, "lm_head") and self.model.lm_head is None
+        tied = lin.packed.get(embed.data_ptr()) if is_tied else None
         if tied is not None and not tied.bf16_dot:
             from deepinfer_kernels import native
 
@@ -393,18 +395,13 @@ class ModelRunner:
         dev = self.device
         bt = batch.block_tables
         nd = batch.num_decodes
+        stack = self.decode_stack is not None and batch.num_tokens <= self.decode_stack.max_rows
+        if stack and nd == batch.num_seqs:  # decodes only (the common step: no lists built)
+            return self._prepare_stack(batch)
         lens = batch.query_lens.tolist()
         ctx_lens_l = batch.context_lens.tolist()
-        if self.decode_stack is not None and batch.num_tokens <= self.decode_stack.max_rows and (
-                nd == batch.num_seqs or self._all_native(lens, ctx_lens_l)):
-            # the native stack reads the block tables itself (one row per token: a prefill chunk's or a
-            # verified draft's tokens each attend to their own position's prefix, as token_attention does
-            # them on the per-op path): no attention metadata to build
-            if batch.num_tokens != batch.num_seqs:
-                bt = bt.repeat_interleave(batch.query_lens, dim=0)
-            ctx = ForwardContext(slot_mapping=batch.slot_mapping, linear=self.linear, attention_fn=self.attention_fn,
-                                 silu_mul=self.linear.silu_mul)
-            return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows, stack_block_tables=bt)
+        if stack and self._all_native(lens, ctx_lens_l):
+            return self._prepare_stack(batch)
         ctx = ForwardContext(slot_mapping=batch.slot_mapping.to(dev), linear=self.linear, attention_fn=self.attention_fn,
                              silu_mul=getattr(self.linear, "silu_mul", None))
         if self.token_attention is not None:
@@ -440,6 +437,17 @@ class ModelRunner:
             ctx.prefills.append(PrefillChunk(q_start, n, total, gidx, native))
             q_start += n
         return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows)
+
+    def _prepare_stack(self, batch: ForwardBatch) -> "PreparedBatch":
+        """A batch for the native stack, which reads the block tables itself (one row per token: a
+        prefill chunk's or a verified draft's tokens each attend to their own position's prefix, as
+        token_attention does them on the per-op path): no attention metadata to build."""
+        bt = batch.block_tables
+        if batch.num_tokens != batch.num_seqs:
+            bt = bt.repeat_interleave(batch.query_lens, dim=0)
+        ctx = ForwardContext(slot_mapping=batch.slot_mapping, linear=self.linear, attention_fn=self.attention_fn,
+                             silu_mul=self.linear.silu_mul)
+        return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows, stack_block_tables=bt)
 
     def _native_chunk(self, n: int, total: int) -> bool:
         """Whether a run of n query tokens ending a context of `total` goes through token_attention
