@@ -65,8 +65,15 @@ class _Alarm:
 
 
 _alarm = _Alarm()
-if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own when needed
-    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_alarm", _Alarm()))
+
+
+def _new_alarm_in_child() -> None:  # a forked child has no such thread: it starts its own when needed
+    global _alarm
+    _alarm = _Alarm()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_alarm_in_child)
 
 
 class EngineBackend:
