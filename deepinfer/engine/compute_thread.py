@@ -9,7 +9,9 @@ a futex instead. Measured on the 2-core Zen 5 host (SmolLM2-135M Q4_1 under auto
 best of 3): engine.generate in the main thread after one `run_batch` gave 54 / 228 / 307 tok/s at
 batch 1 / 8 / 32, against 128 / 378 / 453 with the engine's work on this thread; a 12-token prompt's
 first step took 36-43 ms against 24-27. The thread is shared by the process's engines (their steps
-are serialised, as they would be on the same cores anyway) and handed one call at a time.
+are serialised, as they would be on the same cores anyway) and handed one call at a time: a handoff
+costs ~96 us there (1-2% of a batch-1 step), paid per step rather than per `generate`, so that an
+interrupted caller leaves at most one step running behind it.
 
 Only CPU engines without expert parallelism use it (Engine): a CUDA engine's kernels are not
 OpenMP's, and an expert-parallel rank keeps torch.distributed on the thread that set it up.
