@@ -2,8 +2,8 @@
 
 A CPU forward allocates and frees its activations every step: a 2048-token prefill step of the
 default model makes tensors of up to 25 MB (gate|up), and glibc serves every allocation above its
-mmap threshold (128 KiB, raised dynamically only up to the size of the largest chunk freed so far)
-with a fresh mmap and returns it with munmap on free. Every page of such a buffer is then
+mmap threshold (128 KiB, raised dynamically to the size of the largest chunk freed so far, but
+never above 32 MiB) with a fresh mmap and returns it with munmap on free. Every page of such a buffer is then
 page-faulted and zeroed by the kernel again on each use. Measured on the extraction job of
 benchmarks/structured.py (64 prompts, dtype="quantized", 2-core Zen 5 host): 84k-206k minor page
 faults in its 2048-token prefill step and 15k-25k over its 57 decode steps; with the thresholds
@@ -26,11 +26,12 @@ MMAP_THRESHOLD = 256 << 20  # allocations below this come from the heap (a step'
 TRIM_THRESHOLD = 1 << 30  # free space at the heap's top kept mapped up to this
 
 _applied: bool | None = None
+mmap_threshold_set: int = 0  # the mmap threshold keep_freed_memory() put in effect (0: none)
 
 
 def keep_freed_memory() -> bool:
     """Set the process's glibc malloc thresholds (once); True where they are in effect."""
-    global _applied
+    global _applied, mmap_threshold_set
     if _applied is None:
         _applied = False
         if sys.platform.startswith("linux"):
@@ -41,6 +42,9 @@ def keep_freed_memory() -> bool:
             mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
             mallopt.restype = ctypes.c_int
             # (glibc versions that cap the threshold at 32 MiB, HEAP_MAX_SIZE / 2, refuse more: take the cap)
-            mmap_ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) or mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-            _applied = bool(mmap_ok) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+            for threshold in (MMAP_THRESHOLD, 32 << 20):
+                if mallopt(_M_MMAP_THRESHOLD, threshold):
+                    mmap_threshold_set = threshold
+                    break
+            _applied = bool(mmap_threshold_set) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _applied

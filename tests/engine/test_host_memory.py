@@ -10,13 +10,14 @@ import torch
 from deepinfer.engine import host_memory
 
 
-def _faults_of_reallocating(nbytes: int) -> int:
-    """Minor page faults of the third allocate-touch-free of an nbytes tensor."""
-    for _ in range(3):
+def _faults_of_reallocating(nbytes: int, times: int) -> list[int]:
+    """Minor page faults of each of `times` allocate-touch-free rounds of an nbytes tensor."""
+    faults = []
+    for _ in range(times):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = torch.empty(nbytes // 4).fill_(1.0)
         del t
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return faults
 
 
@@ -24,10 +25,17 @@ def _faults_of_reallocating(nbytes: int) -> int:
 def test_freed_activations_are_reused_without_page_faults():
     if not host_memory.keep_freed_memory():
         pytest.skip("no glibc mallopt here")
-    nbytes = 24 << 20  # a 2048-token prefill's gate|up output on the default model is 25 MB
+    # 40 MB: above the 32 MiB that glibc's own dynamic threshold stops at, so without the thresholds
+    # every round is a fresh mmap, one fault per page (measured: 10241 faults in each of 8 rounds).
+    # (Where glibc took only a 32 MiB threshold, the largest size under it.)
+    nbytes = min(40 << 20, host_memory.mmap_threshold_set - (1 << 20))
     pages = nbytes // resource.getpagesize()
-    # without the thresholds every allocation of this size was a fresh mmap: one fault per page
-    assert _faults_of_reallocating(nbytes) < pages // 20
+    faults = _faults_of_reallocating(nbytes, times=8)
+    # The first rounds may each map new heap: a small allocation can land in a freed chunk and leave
+    # it too short for the next round (seen: a second fresh region in ~1 run of 5). After that the
+    # heap holds enough freed memory; allow one more such round, not a fault per page every round.
+    fresh = [f for f in faults[2:] if f > pages // 20]
+    assert len(fresh) <= 1, faults
 
 
 def test_keep_freed_memory_is_idempotent():
