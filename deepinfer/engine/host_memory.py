@@ -13,6 +13,10 @@ below, none, and the 2048-token step took 0.86-0.97 s instead of 1.25-1.33 s.
 from it after a free), and the trim threshold so free space at the heap's top stays mapped. The
 cost: memory freed by the process stays resident up to its peak use (a step's activations).
 It changes no result, only where the bytes live; elsewhere (no glibc) it does nothing.
+Not a guarantee: torch allocates with posix_memalign, which asks for a little more than the size, so
+a freed chunk of exactly one tensor's size, pinned by a small allocation just after it, does not fit
+the next tensor of that size. Seen in the test suite's long-lived, fragmented heap: every 40 MB round
+took new heap (tests/engine/test_host_memory.py runs its rounds in a fresh process for that reason).
 """
 
 from __future__ import annotations
