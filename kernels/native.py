@@ -164,6 +164,8 @@ def load() -> ctypes.CDLL | None:
         lib.di_rope_store_kv_f32.restype = ctypes.c_int
         lib.di_silu_mul_f32.argtypes = [fp, i64, i64, i64, fp]
         lib.di_silu_mul_f32.restype = ctypes.c_int
+        lib.di_argmax_rows_f32.argtypes = [fp, i64, i64, i64, fp]
+        lib.di_argmax_rows_f32.restype = ctypes.c_int
         _lib = lib
         return _lib
 
@@ -469,6 +471,22 @@ def add_rmsnorm(
             out.data_ptr(), res.data_ptr() if residual is not None else None, M, D,
         )
     return out, res
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of fp32 CPU logits [M, N] with dense rows, exactly (the first index of a
+    row's maximum; the first NaN's where it has one), in two vectorised passes (csrc/argmax.c)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise KernelInputError(f"argmax_rows: x must be float32 CPU [M, N] with dense rows, got {x.dtype} {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise KernelInputError("argmax_rows: rows of length 0 have no argmax")
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    if x.shape[0]:
+        lib.di_argmax_rows_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

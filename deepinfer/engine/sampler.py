@@ -246,6 +246,18 @@ class Sampler:
 
     prepare = staticmethod(prepare)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token: torch.argmax(logits, -1) exactly. On CPU fp32 the native kernel
+        (deepinfer_kernels.native.argmax_rows): torch's took 2.6-5.4 ms a step at batch 128 on the
+        default model's 49152-token vocabulary, 2-4% of the step; the kernel 0.43 ms."""
+        if (self.kernels != "torch" and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.dim() == 2 and logits.shape[1] and logits.stride(1) == 1):
+            from deepinfer_kernels import native
+
+            if native.available():
+                return native.argmax_rows(logits)
+        return logits.argmax(dim=-1)
+
     def fused_route(self, batch: SamplingBatch, device: torch.device) -> bool:
         """Whether batch is drawn by the fused masked_sample kernel on device."""
         if self.fused == "never" or batch.all_greedy or not batch.fusable:
@@ -285,10 +297,10 @@ class Sampler:
 
             apply_token_bitmask_device_(logits, bitmask)
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         tokens = torch.empty(batch.size, dtype=torch.long, device=logits.device)
         if batch.greedy_idx is not None:
-            tokens[batch.greedy_idx] = logits.index_select(0, batch.greedy_idx).argmax(dim=-1)
+            tokens[batch.greedy_idx] = self.argmax(logits.index_select(0, batch.greedy_idx))
         si = batch.sampled_idx
         x = logits.index_select(0, si)
         x.div_(batch.temps.to(x.dtype)[:, None])

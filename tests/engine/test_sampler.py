@@ -51,3 +51,21 @@ def test_inverse_cdf_draw_matches_the_distribution_and_depends_only_on_its_key()
     keys = list(range(100, 116))
     alone = inverse_cdf_sample(x, row_uniforms([keys[5]], "cpu"))[0]
     assert inverse_cdf_sample(many, row_uniforms(keys, "cpu"))[5] == alone
+
+
+def test_greedy_rows_take_torch_argmax_with_either_kernels_option():
+    """Greedy rows go through the native argmax on CPU (kernels "auto") and torch's ("torch"): the
+    same first-maximum tokens, in an all-greedy batch and among sampled rows."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 1000, generator=g)
+    logits[0, 7] = logits[0, 900] = 50.0  # a tie: the first
+    logits[2, 999] = 60.0  # in the row's scalar tail (1000 = 62 vectors of 16 + 8)
+    greedy = SamplingParams(temperature=0.0)
+    hot = SamplingParams(temperature=1.0, seed=5)
+    rows = [SamplingRow(greedy if i % 2 == 0 else hot, 1, 10, [1], [], []) for i in range(6)]
+    for kernels in ("auto", "torch"):
+        s = Sampler(kernels=kernels)
+        assert torch.equal(s.sample(logits.clone(), [SamplingRow(greedy, 1, 10, [1], [], [])] * 6), logits.argmax(-1))
+        mixed = s.sample(logits.clone(), rows)
+        assert mixed[0::2].tolist() == logits[0::2].argmax(-1).tolist() == [7, 999, logits[4].argmax().item()]
+    assert Sampler(kernels="torch").sample(logits.clone(), rows).tolist() == Sampler().sample(logits.clone(), rows).tolist()

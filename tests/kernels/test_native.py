@@ -243,3 +243,41 @@ def test_silu_mul_reads_strided_rows_and_rejects_bad_inputs():
     with pytest.raises(KernelInputError, match="silu_mul"):
         native.silu_mul(torch.randn(4, 64, dtype=torch.float64))
     assert native.silu_mul(torch.empty(0, 64)).shape == (0, 32)
+
+
+@pytest.mark.parametrize("shape", [(128, 49152), (1, 49152), (7, 37), (3, 16), (5, 1), (2, 33)])
+def test_argmax_rows_is_torch_argmax(shape):
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    x = torch.randn(*shape, generator=g)
+    assert torch.equal(native.argmax_rows(x), x.argmax(-1))
+    # a row's maximum repeated later, and in the vector part and the scalar tail alike
+    x[:, -1] = x.max(-1).values
+    assert torch.equal(native.argmax_rows(x), x.argmax(-1))
+
+
+def test_argmax_rows_ties_infinities_nans_and_signed_zeros_as_torch():
+    x = torch.zeros(7, 50)
+    x[0, 10] = x[0, 40] = 1.0  # tie: the first
+    x[1] = float("-inf")  # all -inf: index 0
+    x[2, 3], x[2, 5] = float("inf"), float("nan")  # a NaN wins over +inf
+    x[3] = -0.0
+    x[3, 7] = 0.0  # -0 and +0 compare equal: the first
+    x[4, 48] = x[4, 49] = float("nan")  # the first NaN, in the tail
+    x[5] = float("-inf")
+    x[5, 45] = -1e30
+    x[6, 20] = float("nan")  # a NaN in the vector part, after the maximum
+    x[6, 2] = 5.0
+    assert native.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [10, 0, 5, 0, 48, 45, 20]
+
+
+def test_argmax_rows_reads_strided_rows_and_rejects_bad_inputs():
+    base = torch.randn(6, 80, generator=torch.Generator().manual_seed(3))
+    x = base[:, 5:70]  # rows 80 apart
+    assert torch.equal(native.argmax_rows(x), x.argmax(-1))
+    assert native.argmax_rows(torch.empty(0, 9)).shape == (0,)
+    with pytest.raises(KernelInputError):
+        native.argmax_rows(base.double())
+    with pytest.raises(KernelInputError):
+        native.argmax_rows(base.t())  # columns not dense
+    with pytest.raises(KernelInputError):
+        native.argmax_rows(torch.empty(3, 0))
