@@ -3,8 +3,8 @@
 A CPU forward allocates and frees its activations every step: a 2048-token prefill step of the
 default model makes tensors of up to 25 MB (gate|up), and glibc serves every allocation above its
 mmap threshold (128 KiB, raised dynamically to the size of the largest chunk freed so far, but
-never above 32 MiB) with a fresh mmap and returns it with munmap on free. Every page of such a buffer is then
-page-faulted and zeroed by the kernel again on each use. Measured on the extraction job of
+never above 32 MiB) with a fresh mmap and returns it with munmap on free. Every page of such a
+buffer is then page-faulted and zeroed by the kernel again on each use. Measured on the extraction job of
 benchmarks/structured.py (64 prompts, dtype="quantized", 2-core Zen 5 host): 84k-206k minor page
 faults in its 2048-token prefill step and 15k-25k over its 57 decode steps; with the thresholds
 below, none, and the 2048-token step took 0.86-0.97 s instead of 1.25-1.33 s.

@@ -243,6 +243,7 @@ class Sampler:
             raise InvalidRequestError(f"Sampler fused must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
         self.fused = fused
         self.kernels = kernels  # the engine's kernels option: "torch" keeps every batch on torch ops
+        self._native_argmax = None  # native.argmax_rows once looked up (False: not available), see argmax
 
     prepare = staticmethod(prepare)
 
@@ -252,10 +253,12 @@ class Sampler:
         default model's 49152-token vocabulary, 2-4% of the step; the kernel 0.43 ms."""
         if (self.kernels != "torch" and logits.device.type == "cpu" and logits.dtype == torch.float32
                 and logits.dim() == 2 and logits.shape[1] and logits.stride(1) == 1):
-            from deepinfer_kernels import native
+            if self._native_argmax is None:  # once, not per step (the library's lock and build check)
+                from deepinfer_kernels import native
 
-            if native.available():
-                return native.argmax_rows(logits)
+                self._native_argmax = native.argmax_rows if native.available() else False
+            if self._native_argmax:
+                return self._native_argmax(logits)
         return logits.argmax(dim=-1)
 
     def fused_route(self, batch: SamplingBatch, device: torch.device) -> bool:

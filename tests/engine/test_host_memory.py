@@ -2,6 +2,7 @@
 mapped and page-faulted anew (what a CPU forward does with its activations every step)."""
 
 import json
+import resource
 import subprocess
 import sys
 
@@ -44,7 +45,7 @@ def test_freed_activations_are_reused_without_page_faults():
     # every round is a fresh mmap, one fault per page (where glibc took only a 32 MiB threshold, the
     # largest size under it, which the plain process may then reuse too: only the kept one is checked)
     nbytes = min(40 << 20, host_memory.mmap_threshold_set - (1 << 20))
-    pages = nbytes // 4096
+    pages = nbytes // resource.getpagesize()
     kept = _faults_of_reallocating(nbytes, keep=True)
     # a round may still map new heap (a small allocation landed in the freed chunk and left it too short
     # for the next round: one such round in ~1 run of 3, in round 2 or 3); one, not one every round

@@ -69,3 +69,21 @@ def test_greedy_rows_take_torch_argmax_with_either_kernels_option():
         mixed = s.sample(logits.clone(), rows)
         assert mixed[0::2].tolist() == logits[0::2].argmax(-1).tolist() == [7, 999, logits[4].argmax().item()]
     assert Sampler(kernels="torch").sample(logits.clone(), rows).tolist() == Sampler().sample(logits.clone(), rows).tolist()
+
+
+def test_greedy_cpu_batches_go_through_the_native_argmax_unless_kernels_is_torch(monkeypatch):
+    from deepinfer_kernels import native
+
+    if not native.available():
+        import pytest
+
+        pytest.skip("no C compiler here: the native kernels are not built")
+    calls = []
+    real = native.argmax_rows
+    monkeypatch.setattr(native, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 1, 10, [1], [], [])] * 4
+    assert torch.equal(Sampler().sample(logits.clone(), rows), logits.argmax(-1))
+    assert calls == [(4, 300)]
+    Sampler(kernels="torch").sample(logits.clone(), rows)
+    assert calls == [(4, 300)]  # torch's own argmax there
