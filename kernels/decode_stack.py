@@ -36,7 +36,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "slots",
                                     "block_size", "positions", "mode", "max_rows", "many", "panel_m",
-                                    "outer_rows", "outer_rows_q4")] + [
+                                    "outer_rows", "outer_rows_q4", "kv_bf16")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)), ("work", _ptr)]
 
@@ -63,7 +63,7 @@ def _lib():
 @dataclass(frozen=True)
 class StackLayer:
     """One decoder layer's tensors: norms [hidden] fp32, projections as blocks (q|k|v and gate|up
-    fused as row concatenations), the q|k|v bias or None, its K and V caches [slots, Hkv, D] fp32."""
+    fused as row concatenations), the q|k|v bias or None, its K and V caches [slots, Hkv, D] (fp32, or all bf16)."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -76,9 +76,11 @@ class StackLayer:
     v_cache: torch.Tensor
 
 
-def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
-        raise KernelInputError(f"DecodeStack: {name} must be a contiguous float32 CPU tensor {shape}, "
+def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
+    if dtype not in (torch.float32, *native.KV_DTYPES) or t.dtype != dtype or t.device.type != "cpu" \
+            or not t.is_contiguous() or tuple(t.shape) != shape:
+        want = "float32" if dtype == torch.float32 else f"{dtype} (as layer 0's cache)"
+        raise KernelInputError(f"DecodeStack: {name} must be a contiguous {want} CPU tensor {shape}, "
                                f"got {t.dtype} {tuple(t.shape)}")
 
 
@@ -116,8 +118,8 @@ class DecodeStack:
         for i, ly in enumerate(layers):
             _dense(f"layer {i} in_norm", ly.in_norm, (hidden,))
             _dense(f"layer {i} post_norm", ly.post_norm, (hidden,))
-            _dense(f"layer {i} k_cache", ly.k_cache, (slots, kv_heads, head_dim))
-            _dense(f"layer {i} v_cache", ly.v_cache, (slots, kv_heads, head_dim))
+            for name in ("k_cache", "v_cache"):  # all fp32 or all bf16
+                _dense(f"layer {i} {name}", getattr(ly, name), (slots, kv_heads, head_dim), first.k_cache.dtype)
             want = {"qkv": (qkv_n, hidden), "o": (hidden, num_heads * head_dim), "gate_up": (2 * inter, hidden),
                     "down": (hidden, inter)}
             c = self._layers[i]
@@ -138,7 +140,8 @@ class DecodeStack:
         m = self._model = _Model(n_layers=len(layers), hidden=hidden, heads=num_heads, kv_heads=kv_heads,
                                  head_dim=head_dim, inter=inter, slots=slots, block_size=block_size,
                                  positions=positions, mode=_MODES[mode], max_rows=max_rows, many=_MANY[many],
-                                 panel_m=quant.PANEL_M, outer_rows=int8_outer_rows[0], outer_rows_q4=int8_outer_rows[1], eps=eps,
+                                 panel_m=quant.PANEL_M, outer_rows=int8_outer_rows[0], outer_rows_q4=int8_outer_rows[1],
+                                 kv_bf16=int(first.k_cache.dtype == torch.bfloat16), eps=eps,
                                  scale=head_dim**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
                                  final_norm=final_norm.data_ptr(), layers=self._layers)
         self._work = torch.empty(lib.di_decode_stack_work_bytes(ctypes.byref(m)), dtype=torch.uint8)

@@ -152,6 +152,8 @@ def load() -> ctypes.CDLL | None:
         i64, fp = ctypes.c_int64, ctypes.c_void_p
         f.argtypes = [fp, i64, i64, fp, fp, fp, i64, fp, fp, fp, i64, i64, i64, i64, i64, ctypes.c_float]
         f.restype = ctypes.c_int
+        lib.di_token_attention_bf16.argtypes = f.argtypes
+        lib.di_token_attention_bf16.restype = ctypes.c_int
         lib.di_add_rmsnorm_f32.argtypes = [fp, fp, fp, ctypes.c_float, fp, fp, i64, i64]
         lib.di_add_rmsnorm_f32.restype = ctypes.c_int
         for g in (lib.di_gemm_f32, lib.di_gemm_bf16, lib.di_gemm_f16, lib.di_gemm_bf16dot):
@@ -162,6 +164,8 @@ def load() -> ctypes.CDLL | None:
         lib.di_gemm_bf16dot_set_cap.restype = None
         lib.di_rope_store_kv_f32.argtypes = [fp, i64, i64, i64, i64, i64, fp, fp, fp, i64, fp, fp, fp]
         lib.di_rope_store_kv_f32.restype = ctypes.c_int
+        lib.di_rope_store_kv_bf16.argtypes = lib.di_rope_store_kv_f32.argtypes
+        lib.di_rope_store_kv_bf16.restype = ctypes.c_int
         lib.di_silu_mul_f32.argtypes = [fp, i64, i64, i64, fp]
         lib.di_silu_mul_f32.restype = ctypes.c_int
         lib.di_argmax_rows_f32.argtypes = [fp, i64, i64, i64, fp]
@@ -332,6 +336,9 @@ def set_bf16_dot_cap(cap: int | None) -> None:
     lib.di_gemm_bf16dot_set_cap(1 if cap is None else int(cap))
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV-cache dtypes token_attention and rope_store_kv take
+
+
 def token_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -345,7 +352,8 @@ def token_attention(
 ) -> torch.Tensor:
     """out [T, H, D]: query token t attends to cache slots idx[row[t], :lens[t]], in order.
 
-    q [T, H, D] fp32 (last dim contiguous); caches [S, Hkv, D] fp32 contiguous; idx [R, Lmax],
+    q [T, H, D] fp32 (last dim contiguous); caches [S, Hkv, D] contiguous, both fp32 or both bf16
+    (widened exactly as they are read: the fp32 kernel's result on k_cache.float()); idx [R, Lmax],
     row [T], lens [T] int64 with 0 <= lens <= max_len <= Lmax; tokens with lens 0 are skipped
     (their rows of `out`, if given, are left as they are). Batch-invariant by construction (see
     csrc/token_attention.c). Raises KernelInputError on bad inputs, RuntimeError if not built.
@@ -355,8 +363,8 @@ def token_attention(
         raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
     T, H, D = q.shape
     S, Hkv, Dk = k_cache.shape
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        raise KernelInputError("token_attention: q and the caches must be float32")
+    if q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise KernelInputError("token_attention: q must be float32 and the caches both float32 or both bfloat16")
     if q.device.type != "cpu":
         raise KernelInputError("token_attention runs on CPU tensors only")
     if Dk != D or H % Hkv or v_cache.shape != k_cache.shape:
@@ -374,7 +382,8 @@ def token_attention(
         raise KernelInputError("token_attention: out must be a contiguous float32 tensor shaped like q")
     if T == 0:
         return out
-    rc = lib.di_token_attention_f32(
+    fn = lib.di_token_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.di_token_attention_f32
+    rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         idx.data_ptr(), idx.shape[1], row.data_ptr(), lens.data_ptr(), out.data_ptr(),
         T, H, Hkv, D, max_len, float(scale),
@@ -397,7 +406,8 @@ def rope_store_kv(
     """Rotary embedding + KV-cache write from a fused projection; returns the rotated q [T, H, D].
 
     qkv [T, (H + 2 Hkv) D] fp32 (rows dense); cos/sin [T, D] (any leading shape with T * D values,
-    sin carrying rotate_half's sign: -sin in the first half); slots int64 [T]; caches [S, Hkv, D].
+    sin carrying rotate_half's sign: -sin in the first half); slots int64 [T]; caches [S, Hkv, D],
+    both fp32 or both bf16 (then k and v are rounded to nearest even as stored: Tensor.to's bits).
     The rotated k and the v of token t go to cache slot slots[t]; a slot outside the cache raises
     KernelInputError (the other tokens are still written)."""
     lib = load()
@@ -409,16 +419,21 @@ def rope_store_kv(
         raise KernelInputError(f"rope_store_kv: qkv {tuple(qkv.shape)} does not fit {num_heads} heads over caches {tuple(k_cache.shape)}")
     if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
         raise KernelInputError("rope_store_kv: qkv must be float32 with dense rows")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos), ("sin", sin)):
+    for name, t in (("cos", cos), ("sin", sin)):
         _dense_f32(f"rope_store_kv: {name}", t)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != k_cache.dtype or t.dtype not in KV_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+            raise KernelInputError(f"rope_store_kv: {name} must be a contiguous CPU tensor, both caches float32 or "
+                                   "both bfloat16")
     if v_cache.shape != k_cache.shape or cos.numel() != T * D or sin.numel() != T * D:
         raise KernelInputError("rope_store_kv: caches differ in shape or cos/sin are not [T, D]")
     if slots.dtype != torch.int64 or slots.shape != (T,) or not slots.is_contiguous():
         raise KernelInputError("rope_store_kv: slots must be a contiguous int64 [T] tensor")
     q = torch.empty(T, num_heads, D, dtype=torch.float32)
     if T:
-        rc = lib.di_rope_store_kv_f32(qkv.data_ptr(), qkv.stride(0), T, num_heads, Hkv, D, cos.data_ptr(),
-                                      sin.data_ptr(), slots.data_ptr(), S, k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+        fn = lib.di_rope_store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.di_rope_store_kv_f32
+        rc = fn(qkv.data_ptr(), qkv.stride(0), T, num_heads, Hkv, D, cos.data_ptr(),
+                sin.data_ptr(), slots.data_ptr(), S, k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
         if rc:
             raise KernelInputError(f"rope_store_kv: a slot is outside the cache's {S} slots")
     return q

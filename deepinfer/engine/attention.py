@@ -3,6 +3,11 @@
 A step's tokens are laid out flat: first one token per decoding sequence, then each prefill chunk.
 New keys/values are written to their cache slots first; decodes then read their whole context from
 the cache in one batched gather, and each prefill chunk attends to its cached prefix plus itself.
+
+The cache may hold a narrower type than the queries (a bf16 KV cache under fp32 compute,
+EngineConfig.kv_cache_dtype): keys and values are rounded as they are written and widened as they
+are read, and a chunk attending to its own new keys sees them rounded too, so every path sees the
+values the cache holds.
 """
 
 from __future__ import annotations
@@ -58,8 +63,13 @@ class ForwardContext:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as the cache holds it, in x's dtype (rounded to a narrower cache's type and widened back)."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float) -> torch.Tensor:
@@ -103,9 +113,10 @@ def chunk_qkv(c: PrefillChunk, q, k, v, k_cache, v_cache, slot_mapping=None):
     if c.gather_idx is None:  # the chunk is the whole context: its own new keys
         if k is None:
             own = slot_mapping[c.q_start : c.q_start + c.q_len]
-            return qs, k_cache.index_select(0, own), v_cache.index_select(0, own)
-        return qs, k[c.q_start : c.q_start + c.q_len], v[c.q_start : c.q_start + c.q_len]
-    return qs, k_cache.index_select(0, c.gather_idx), v_cache.index_select(0, c.gather_idx)
+            return qs, k_cache.index_select(0, own).to(q.dtype), v_cache.index_select(0, own).to(q.dtype)
+        ks, vs = k[c.q_start : c.q_start + c.q_len], v[c.q_start : c.q_start + c.q_len]
+        return qs, as_cached(ks, k_cache), as_cached(vs, v_cache)
+    return qs, k_cache.index_select(0, c.gather_idx).to(q.dtype), v_cache.index_select(0, c.gather_idx).to(q.dtype)
 
 
 def causal_mask(q_len: int, ctx_len: int, device) -> torch.Tensor:
@@ -138,8 +149,8 @@ def decode_attention(q, k_cache, v_cache, gather_idx, valid, scale) -> torch.Ten
     L = gather_idx.shape[1]
     Hkv = k_cache.shape[1]
     flat = gather_idx.reshape(-1)
-    K = k_cache.index_select(0, flat).view(B, L, Hkv, D).transpose(1, 2)  # [B,Hkv,L,D]
-    V = v_cache.index_select(0, flat).view(B, L, Hkv, D).transpose(1, 2)
+    K = k_cache.index_select(0, flat).to(q.dtype).view(B, L, Hkv, D).transpose(1, 2)  # [B,Hkv,L,D]
+    V = v_cache.index_select(0, flat).to(q.dtype).view(B, L, Hkv, D).transpose(1, 2)
     o = F.scaled_dot_product_attention(
         q.view(B, H, 1, D), K, V, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
     )
@@ -161,8 +172,8 @@ def paged_attention_batch_invariant(q, k, v, k_cache, v_cache, ctx: ForwardConte
     if nd:
         B, L = ctx.decode_gather_idx.shape
         Hkv, D = k_cache.shape[1], k_cache.shape[2]
-        K = k_cache.index_select(0, ctx.decode_gather_idx.reshape(-1)).view(B, L, Hkv, D)
-        V = v_cache.index_select(0, ctx.decode_gather_idx.reshape(-1)).view(B, L, Hkv, D)
+        K = k_cache.index_select(0, ctx.decode_gather_idx.reshape(-1)).to(q.dtype).view(B, L, Hkv, D)
+        V = v_cache.index_select(0, ctx.decode_gather_idx.reshape(-1)).to(q.dtype).view(B, L, Hkv, D)
         out[:nd] = bi_attention_decode(q[:nd], K, V, ctx.decode_valid.sum(1), scale=scale)
     for c in ctx.prefills:
         qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache, ctx.slot_mapping)

@@ -22,6 +22,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None -> kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.2
     max_kv_cache_memory_cpu: int = 4 << 30  # cap on CPU, where "free memory" is all of RAM
+    # the KV cache's element type: "auto" | "float32" | "bfloat16". auto: bf16 on CPU in the two
+    # approximate precisions (dtype "quantized" and "bfloat16") where the native attention runs (half
+    # the bytes a decode step's attention reads, twice the tokens a budget holds; ModelRunner
+    # .kv_cache_dtype has the measurements), else the compute dtype (fp32 modes stay exact)
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None -> the model's max_position_embeddings
@@ -110,6 +115,8 @@ class EngineConfig:
             raise bad(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if not (0 < self.kv_cache_fraction <= 0.95):
             raise bad(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise bad(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
         if self.moe_expert_dtype not in ("auto", "float32", "bfloat16"):
             raise bad(f"moe_expert_dtype must be 'auto', 'float32' or 'bfloat16', got {self.moe_expert_dtype!r}")
         if self.kernels not in ("auto", "torch", "tilelang"):

@@ -112,6 +112,8 @@ class Engine:
         # "float32", "quantized-int8", "quantized-exact", "quantized-bf16", "bfloat16-weights", "float16-weights",
         # "bfloat16-dot" (dtype="bfloat16" on CPU with the native kernels) or "bfloat16" (torch's bf16 ops)
         self.precision = self.runner.precision
+        # what the KV cache holds ("float32", "bfloat16", ...: EngineConfig.kv_cache_dtype)
+        self.kv_cache_dtype = str(getattr(self.runner, "kv_dtype", self.dtype)).removeprefix("torch.")
         # token ids that end generation: the tokenizer's EOS set plus the model config's
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.vocab_size = self.model_config.vocab_size

@@ -27,7 +27,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The runner's compute dtype (activations, KV cache).
+    """The runner's compute dtype (activations; the KV cache's unless EngineConfig.kv_cache_dtype says
+    otherwise: ModelRunner.kv_cache_dtype).
 
     "auto" on CPU computes in fp32 (the native GEMM, attention and norms are fp32); what it stores the
     weights in depends on the checkpoint: a GGUF's blocks as stored (`quant_mode`), a bf16 / fp16
@@ -39,9 +40,9 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     resident weights 1.02x the checkpoint's bytes instead of 4.0x.
 
     "bfloat16" on CPU, where the native bf16-dot GEMM runs (weights16.bf16_dot_available: native
-    kernels, AVX-512F), computes activations, norms, attention and the KV cache in fp32 and every
-    projection as bf16 dot products accumulated in fp32 (csrc/gemm_bf16dot.c, weights rounded to bf16
-    at load): SmolLM2-135M as an fp32 directory on that host (benchmarks/throughput.py --model, 64 new
+    kernels, AVX-512F), computes activations, norms and attention in fp32 (the KV cache bf16 under
+    kv_cache_dtype "auto") and every projection as bf16 dot products accumulated in fp32
+    (csrc/gemm_bf16dot.c, weights rounded to bf16 at load): SmolLM2-135M as an fp32 directory on that host (benchmarks/throughput.py --model, 64 new
     tokens, best of 3) 1.44x / 1.61x / 1.48x / 1.71x float32's tokens/s at batch 1 / 8 / 32 / 128,
     greedy answers equal on 6/8 prompts x 32 tokens, logprobs within 0.061 (benchmarks/bf16_dot.py
     --accuracy); auto does not pick it. An MoE model runs the same arithmetic through the grouped expert
@@ -57,7 +58,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name in QUANT_DTYPES:
         if device.type != "cpu":
             raise InvalidRequestError(f"dtype={name!r} runs on CPU only")
-        return torch.float32  # activations, KV cache and accumulation stay fp32
+        return torch.float32  # activations and accumulation stay fp32 (the KV cache: kv_cache_dtype)
     if name not in table:
         raise InvalidRequestError(f"dtype must be auto, float32, bfloat16, float16, quantized or quantized_exact, got {name!r}")
     return table[name]
@@ -114,7 +115,7 @@ def checkpoint_bytes(source: str) -> int:
 
 @dataclass(frozen=True)
 class Precision:
-    dtype: torch.dtype  # the runner's compute dtype (activations, KV cache)
+    dtype: torch.dtype  # the runner's compute dtype (activations; the KV cache's by default)
     quant_mode: str | None  # a GGUF's blocks kept as stored, in this kernel mode (quant_linear.py)
     keep_16bit: bool  # a bf16 / fp16 checkpoint's tensors kept as stored (weights16.py, expert panels)
     bf16_dot: bool  # projections as bf16 dot products with fp32 accumulation (dtype="bfloat16" on CPU)

@@ -1,6 +1,6 @@
 /* Every decoder layer of a dense Llama / Qwen2 model for a batch of M query tokens (decodes, drafts
  * to verify, short prefill chunks: row t attends to positions 0..pos[t] of its sequence) in one call,
- * weights as GGUF blocks (csrc/qgemm.c), fp32 activations and KV cache.
+ * weights as GGUF blocks (csrc/qgemm.c), fp32 activations, the KV cache in fp32 or bf16.
  *
  * Per layer: add + RMSNorm, q|k|v projection (+ bias), rotary + KV-cache store, attention over the
  * paged cache, o projection, add + RMSNorm, gate|up projection, silu * mul, down projection; then the
@@ -32,6 +32,13 @@ int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const flo
                            const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
                            float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
                            float scale);
+int di_rope_store_kv_bf16(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                          const float *cos, const float *sin, const int64_t *slots, int64_t S, uint16_t *kc,
+                          uint16_t *vc, float *q_out);
+int di_token_attention_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kc, const uint16_t *vc,
+                            const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
+                            float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
+                            float scale);
 int di_silu_mul_f32(const float *gu, int64_t ldg, int64_t M, int64_t I, float *out);
 
 /* a projection's bound arguments, as quant.RowKernel binds them: {W's address, row bytes, format, N, K} */
@@ -40,7 +47,7 @@ typedef int64_t di_ds_weight[5];
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden] */
     const float *qkv_bias;            /* [(H + 2 Hkv) D], or NULL */
-    float *k_cache, *v_cache;         /* [slots, Hkv, D] contiguous */
+    void *k_cache, *v_cache;          /* [slots, Hkv, D] contiguous, fp32 or (kv_bf16) bf16 */
     di_ds_weight qkv, o, gate_up, down;
 } di_ds_layer;
 
@@ -54,6 +61,7 @@ typedef struct {
     int64_t many;       /* the exact mode's kernel from panel_m rows: DS_MANY_PANEL / _OUTER / _BF16 */
     int64_t panel_m;    /* quant.PANEL_M: the exact mode's row kernel stops below it */
     int64_t outer_rows, outer_rows_q4; /* the int8 mode's vpdpbusd kernel from these rows (Q8_0 / Q4_x) */
+    int64_t kv_bf16;                   /* the caches hold bf16 (the *_bf16 kernels) */
     float eps, scale;
     const float *cos, *sin; /* [positions, head_dim], sin carrying rotate_half's sign */
     const float *final_norm;
@@ -203,13 +211,17 @@ int di_decode_stack(const di_ds_model *m, int64_t n_layers, const float *x_in, i
         if (l == 0) di_add_rmsnorm_f32(x_in, 0, ly->in_norm, m->eps, s.h, 0, M, hid);
         else di_add_rmsnorm_f32(s.x, residual, ly->in_norm, m->eps, s.h, s.res, M, hid);
         if ((rc = project(m, &s, ly->qkv, s.h, M, ly->qkv_bias, s.qkv))) break;
-        if (di_rope_store_kv_f32(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots, ly->k_cache, ly->v_cache,
-                                 s.q)) {
+        if (m->kv_bf16 ? di_rope_store_kv_bf16(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots,
+                                               ly->k_cache, ly->v_cache, s.q)
+                       : di_rope_store_kv_f32(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots, ly->k_cache,
+                                              ly->v_cache, s.q)) {
             rc = DS_BAD_SLOT;
             break;
         }
-        if (di_token_attention_f32(s.q, H * D, D, ly->k_cache, ly->v_cache, idx, L, s.rowid, s.lens, s.att, M, H,
-                                   Hkv, D, L, m->scale)) {
+        if (m->kv_bf16 ? di_token_attention_bf16(s.q, H * D, D, ly->k_cache, ly->v_cache, idx, L, s.rowid, s.lens,
+                                                 s.att, M, H, Hkv, D, L, m->scale)
+                       : di_token_attention_f32(s.q, H * D, D, ly->k_cache, ly->v_cache, idx, L, s.rowid, s.lens,
+                                                s.att, M, H, Hkv, D, L, m->scale)) {
             rc = DS_NO_MEMORY;
             break;
         }

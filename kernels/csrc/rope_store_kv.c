@@ -7,6 +7,7 @@
  * (batch-invariant).
  */
 #include <stdint.h>
+#include <string.h>
 
 static void rotate(const float *x, const float *c, const float *s, int64_t D, float *out) {
     const int64_t half = D / 2;
@@ -34,6 +35,43 @@ int di_rope_store_kv_f32(const float *qkv, int64_t ld, int64_t T, int64_t H, int
         for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, c, s, D, k + h * D);
         const float *vs = row + (H + Hkv) * D;
         for (int64_t i = 0; i < Hkv * D; ++i) v[i] = vs[i];
+    }
+    return bad;
+}
+
+/* fp32 -> bf16, rounded to nearest even, any NaN -> 0xFFFF: what torch's tensor conversion
+ * (Tensor.to(torch.bfloat16), vectorised on CPU) gives, bit for bit, so a cache written here and one
+ * written by torch's index_copy_ of k.to(bfloat16) agree */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* di_rope_store_kv_f32 with bf16 caches (uint16 bit patterns): k and v rounded as they are stored; q
+ * stays fp32 */
+int di_rope_store_kv_bf16(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                          const float *cos, const float *sin, const int64_t *slots, int64_t S, uint16_t *kc,
+                          uint16_t *vc, float *q_out) {
+    int bad = 0;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; ++t) {
+        if (slots[t] < 0 || slots[t] >= S) {
+#pragma omp atomic write
+            bad = 1;
+            continue;
+        }
+        const float *row = qkv + t * ld, *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, q_out + (t * H + h) * D);
+        uint16_t *k = kc + slots[t] * Hkv * D, *v = vc + slots[t] * Hkv * D;
+        float kr[D];
+        for (int64_t h = 0; h < Hkv; ++h) {
+            rotate(row + (H + h) * D, c, s, D, kr);
+            for (int64_t i = 0; i < D; ++i) k[h * D + i] = to_bf16(kr[i]);
+        }
+        const float *vs = row + (H + Hkv) * D;
+        for (int64_t i = 0; i < Hkv * D; ++i) v[i] = to_bf16(vs[i]);
     }
     return bad;
 }

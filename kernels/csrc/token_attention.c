@@ -1,4 +1,6 @@
-/* Attention for a flat list of query tokens over a paged KV cache (fp32, CPU, OpenMP).
+/* Attention for a flat list of query tokens over a paged KV cache (fp32 math, CPU, OpenMP; the cache
+ * in fp32 or bf16: di_token_attention_bf16 widens each bf16 key and value to fp32 as it loads it, an
+ * exact conversion, so its result is the fp32 kernel's on the widened cache bit for bit).
  *
  * Query token t (T of them, H heads) attends to the len[t] cache slots idx[row[t]][0 .. len[t]),
  * in that order; a token with len[t] == 0 is skipped (its output rows are not written). Each
@@ -18,6 +20,20 @@
 #include "vec16.h"
 
 #define MAX_DV 8 /* head dims up to 8 x 16 = 128 take the vector path */
+
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+
+/* 16 cache values from p (BF: bf16, widened exactly: its bits are the float's top half) */
+static inline __attribute__((always_inline)) v16 kv16(const int BF, const char *p) {
+    if (BF) return (v16)(__builtin_convertvector(*(const u16x16 *)p, i16v) << 16);
+    return load16((const float *)p);
+}
+
+static inline __attribute__((always_inline)) float kv1(const int BF, const char *p, int64_t i) {
+    if (!BF) return ((const float *)p)[i];
+    union { uint32_t u; float f; } x = {(uint32_t)((const uint16_t *)p)[i] << 16};
+    return x.f;
+}
 #define MAX_HN 4 /* query heads of one KV head computed together */
 
 /* four 16-lane partial dot products -> lanes (a b c d).(0..7) + (8..15) then their (0..3) + (4..7):
@@ -52,10 +68,11 @@ static inline v16 reduce16(const v16 *p) {
  * same products and lane tree, keys left to right, the same softmax. One thread, SmolLM2 (9 / 3 heads,
  * D 64), 128 decode tokens over 52 keys, 30 layers: see the commit. s: scratch for HN rows of
  * round_up(L, 16) + 16 floats (ls apart). */
-static inline __attribute__((always_inline)) void heads_vec(const int DV, const int HN, const float *qh, int64_t q_sh,
-                                                            const float *kc, const float *vc, const int64_t *slots,
-                                                            int64_t slot_stride, int64_t L, float scale, float *s,
-                                                            int64_t ls, float *o, int64_t D) {
+static inline __attribute__((always_inline)) void heads_vec(const int BF, const int DV, const int HN, const float *qh,
+                                                            int64_t q_sh, const char *kc, const char *vc,
+                                                            const int64_t *slots, int64_t slot_stride, int64_t L,
+                                                            float scale, float *s, int64_t ls, float *o, int64_t D) {
+    const int64_t es = BF ? 2 : 4, row = slot_stride * es; /* bytes per value, per cache slot */
     v16 q[MAX_HN][MAX_DV], acc[MAX_HN][MAX_DV], p[MAX_HN][16];
     float m[MAX_HN];
     for (int h = 0; h < HN; ++h) {
@@ -67,13 +84,13 @@ static inline __attribute__((always_inline)) void heads_vec(const int DV, const 
         const int n = L - j0 < 16 ? (int)(L - j0) : 16;
         for (int jj = 0; jj < n; ++jj) {
             if (j0 + jj + 16 < L)
-                for (int c = 0; c < DV; ++c) __builtin_prefetch(kc + slots[j0 + jj + 16] * slot_stride + 16 * c);
-            for (int c = 0; c < DV; ++c) __builtin_prefetch(vc + slots[j0 + jj] * slot_stride + 16 * c);
-            const float *k = kc + slots[j0 + jj] * slot_stride;
-            const v16 k0 = load16(k);
+                for (int64_t b = 0; b < 16 * DV * es; b += 64) __builtin_prefetch(kc + slots[j0 + jj + 16] * row + b);
+            for (int64_t b = 0; b < 16 * DV * es; b += 64) __builtin_prefetch(vc + slots[j0 + jj] * row + b);
+            const char *k = kc + slots[j0 + jj] * row;
+            const v16 k0 = kv16(BF, k);
             for (int h = 0; h < HN; ++h) p[h][jj] = q[h][0] * k0;
             for (int c = 1; c < DV; ++c) {
-                const v16 kk = load16(k + 16 * c);
+                const v16 kk = kv16(BF, k + 16 * es * c);
                 for (int h = 0; h < HN; ++h) p[h][jj] += q[h][c] * kk;
             }
         }
@@ -106,9 +123,9 @@ static inline __attribute__((always_inline)) void heads_vec(const int DV, const 
         for (int c = 0; c < DV; ++c) acc[h][c] = splat16(0.f);
     }
     for (int64_t jj = 0; jj < L; ++jj) {
-        const float *v = vc + slots[jj] * slot_stride;
+        const char *v = vc + slots[jj] * row;
         for (int c = 0; c < DV; ++c) {
-            const v16 vv = load16(v + 16 * c);
+            const v16 vv = kv16(BF, v + 16 * es * c);
             for (int h = 0; h < HN; ++h) acc[h][c] += splat16(s[h * ls + jj]) * vv;
         }
     }
@@ -117,11 +134,18 @@ static inline __attribute__((always_inline)) void heads_vec(const int DV, const 
 }
 
 /* Any head dim: plain loops (scalar exp). */
-static void head_any(int64_t D, const float *qh, const float *kc, const float *vc, const int64_t *slots,
-                     int64_t slot_stride, int64_t L, float scale, float *s, float *o) {
+static inline __attribute__((always_inline)) void head_any(const int BF, int64_t D, const float *qh, const char *kc,
+                                                           const char *vc, const int64_t *slots, int64_t slot_stride,
+                                                           int64_t L, float scale, float *s, float *o, float *kw) {
+    const int64_t row = slot_stride * (BF ? 2 : 4);
     float m = -INFINITY;
     for (int64_t j = 0; j < L; ++j) {
-        const float x = dot_lanes(qh, kc + slots[j] * slot_stride, D) * scale;
+        const float *kf = (const float *)(kc + slots[j] * row);
+        if (BF) { /* widened into kw first: dot_lanes' order on the same values */
+            for (int64_t d = 0; d < D; ++d) kw[d] = kv1(BF, kc + slots[j] * row, d);
+            kf = kw;
+        }
+        const float x = dot_lanes(qh, kf, D) * scale;
         s[j] = x;
         m = x > m ? x : m;
     }
@@ -132,20 +156,21 @@ static void head_any(int64_t D, const float *qh, const float *kc, const float *v
     }
     for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
     for (int64_t j = 0; j < L; ++j) {
-        const float *v = vc + slots[j] * slot_stride;
-        for (int64_t d = 0; d < D; ++d) o[d] += s[j] * v[d];
+        const char *v = vc + slots[j] * row;
+        for (int64_t d = 0; d < D; ++d) o[d] += s[j] * kv1(BF, v, d);
     }
     const float inv = 1.f / z;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 
-/* q: [T, H, D] with strides (q_st, q_sh, 1); caches: [S, Hkv, D] contiguous; out: [T, H, D] contiguous;
- * idx: int64 rows of idx_ld slots; row, len: int64 [T]. Returns 0, or 1 when a thread could not
- * allocate its scratch. */
-int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kc, const float *vc,
-                           const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
-                           float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
-                           float scale) {
+/* q: [T, H, D] with strides (q_st, q_sh, 1); caches: [S, Hkv, D] contiguous (fp32, or bf16 with BF);
+ * out: [T, H, D] contiguous; idx: int64 rows of idx_ld slots; row, len: int64 [T]. Returns 0, or 1
+ * when a thread could not allocate its scratch. */
+static inline __attribute__((always_inline)) int token_attention(
+    const int BF, const float *q, int64_t q_st, int64_t q_sh, const char *kc, const char *vc, const int64_t *idx,
+    int64_t idx_ld, const int64_t *row, const int64_t *len, float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+    int64_t max_len, float scale) {
+    const int64_t es = BF ? 2 : 4;
     const int64_t G = H / Hkv;
     const int64_t slot_stride = Hkv * D;
     const int DV = (D % 16 == 0 && D / 16 <= MAX_DV) ? (int)(D / 16) : 0;
@@ -156,7 +181,8 @@ int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const flo
     int failed = 0;
 #pragma omp parallel
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(HN * ls));
+        /* HN rows of scores, then (head_any's bf16 keys) one widened key */
+        float *s = (float *)malloc(sizeof(float) * (size_t)(HN * ls + D));
         if (!s) {
 #pragma omp atomic write
             failed = 1;
@@ -176,22 +202,22 @@ int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const flo
                 const int64_t t1 = (w + 1) / (Hkv * chunks), kh1 = (w + 1) % (Hkv * chunks) / chunks;
                 const int64_t *sl1 = idx + row[t1] * idx_ld;
                 for (int64_t j = 0; j < len[t1] && j < 64; ++j)
-                    for (int64_t d = 0; d < D; d += 16) {
-                        __builtin_prefetch(kc + sl1[j] * slot_stride + kh1 * D + d, 0, 2);
-                        __builtin_prefetch(vc + sl1[j] * slot_stride + kh1 * D + d, 0, 2);
+                    for (int64_t d = 0; d < D * es; d += 64) {
+                        __builtin_prefetch(kc + (sl1[j] * slot_stride + kh1 * D) * es + d, 0, 2);
+                        __builtin_prefetch(vc + (sl1[j] * slot_stride + kh1 * D) * es + d, 0, 2);
                     }
             }
             if (L <= 0) continue; /* token computed elsewhere: its output rows are left as they are */
             const int64_t *slots = idx + row[t] * idx_ld;
             const float *qh = q + t * q_st + h0 * q_sh;
-            const float *k0 = kc + kh * D, *v0 = vc + kh * D;
+            const char *k0 = kc + kh * D * es, *v0 = vc + kh * D * es;
             float *o = out + (t * H + h0) * D;
 #define HEADS(dv)                                                                                           \
     switch (hn) {                                                                                           \
-    case 1: heads_vec(dv, 1, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;           \
-    case 2: heads_vec(dv, 2, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;           \
-    case 3: heads_vec(dv, dv > 4 ? 2 : 3, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break; \
-    default: heads_vec(dv, dv > 4 ? 2 : 4, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D);     \
+    case 1: heads_vec(BF, dv, 1, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;           \
+    case 2: heads_vec(BF, dv, 2, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;           \
+    case 3: heads_vec(BF, dv, dv > 4 ? 2 : 3, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break; \
+    default: heads_vec(BF, dv, dv > 4 ? 2 : 4, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D);     \
     }
             switch (DV) {
             case 1: HEADS(1); break;
@@ -204,11 +230,28 @@ int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const flo
             case 8: HEADS(8); break;
             default:
                 for (int i = 0; i < hn; ++i)
-                    head_any(D, qh + i * q_sh, k0, v0, slots, slot_stride, L, scale, s, o + i * D);
+                    head_any(BF, D, qh + i * q_sh, k0, v0, slots, slot_stride, L, scale, s, o + i * D, s + HN * ls);
             }
 #undef HEADS
         }
         free(s);
     }
     return failed;
+}
+
+int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kc, const float *vc,
+                           const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
+                           float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
+                           float scale) {
+    return token_attention(0, q, q_st, q_sh, (const char *)kc, (const char *)vc, idx, idx_ld, row, len, out, T, H,
+                           Hkv, D, max_len, scale);
+}
+
+/* the same over a bf16 cache (uint16 bit patterns) */
+int di_token_attention_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kc, const uint16_t *vc,
+                            const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
+                            float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
+                            float scale) {
+    return token_attention(1, q, q_st, q_sh, (const char *)kc, (const char *)vc, idx, idx_ld, row, len, out, T, H,
+                           Hkv, D, max_len, scale);
 }

@@ -60,10 +60,11 @@ def test_bfloat16_runs_bf16_panels_within_tolerance_of_float32(ckpts, key):
     w = native.packed_rows(f32_pw, torch.arange(f32_pw.n))  # (the float32 engine's one copy is its panels too)
     pw = lin.packed[bf.runner.model.layers[0].mlp.down_weight.data_ptr()]
     assert torch.equal(native.packed_rows(pw, torch.arange(w.shape[0])), native.to_bf16_dot(w).float())
-    # no fp32 copy of a projection; activations and the KV cache stay fp32
+    # no fp32 copy of a projection; activations stay fp32, the KV cache is bf16 (kv_cache_dtype "auto")
     m = bf.runner.model
     assert all(is_placeholder(w) for w in m.linear_weights() + m.gated_weights())
-    assert bf.runner.dtype == torch.float32 and bf.runner.kv_cache.dtype == torch.float32
+    assert bf.runner.dtype == torch.float32 and bf.runner.kv_cache.dtype == torch.bfloat16
+    assert bf.kv_cache_dtype == "bfloat16" and f32.kv_cache_dtype == "float32"
     assert bf.stats.weight_bytes < 0.6 * f32.stats.weight_bytes
     # prefill: every position's logprobs
     ids = bf.encode_prompt("the quick brown fox jumps over the lazy dog " * 3)
@@ -114,13 +115,16 @@ def test_bfloat16_on_a_moe_model_runs_bf16_dot_products(tmp_path, arch):
     """An MoE model (MLA included) in dtype="bfloat16": every gated MLP (routed experts, shared experts,
     dense layers) on the grouped expert kernel's bf16-dot build, the other projections on bf16-dot
     panels, the routers (and Qwen2-MoE's shared-expert gates) in fp32; activations, norms, attention
-    and the KV cache fp32. Within TOL of float32, not equal to it, and batch-invariant."""
+    and (kv_cache_dtype="float32", so the products' error is measured alone) the KV cache fp32. Within
+    TOL of float32, not equal to it, and batch-invariant. The KV cache "auto" picks is
+    tests/engine/test_kv_cache_dtype.py's."""
     from deepinfer.engine.expert_kernels import NativeExperts, NativeGatedMlp
     from deepinfer.engine.models.moe import MoeBlock
     from moe_factory import make_moe_model
 
     path = str(make_moe_model(tmp_path / arch, arch, seed=2))
-    bf, f32 = Engine(path, dtype="bfloat16", block_size=4, **KW), Engine(path, dtype="float32", block_size=4, **KW)
+    bf = Engine(path, dtype="bfloat16", block_size=4, kv_cache_dtype="float32", **KW)
+    f32 = Engine(path, dtype="float32", block_size=4, **KW)
     assert bf.precision == "bfloat16-dot" and bf.runner.kv_cache.dtype == torch.float32
     mods = list(bf.runner.model.modules())
     experts = [m for m in mods if isinstance(m, NativeExperts)]

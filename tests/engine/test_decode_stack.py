@@ -72,6 +72,8 @@ def test_stack_is_bitwise_the_per_op_path(tiny_models, arch, mode, invariant):
     runner = _runner(tiny_models[arch], mode, batch_invariant=invariant)
     stack = runner.decode_stack
     assert stack is not None and stack.mode == ("int8" if mode == "int8" else "exact")
+    # kv_cache_dtype "auto": the approximate modes' caches are bf16 (csrc/*_bf16 in the stack)
+    assert runner.kv_cache.dtype == (torch.bfloat16 if mode in ("bf16", "int8") else torch.float32)
     rng = torch.Generator().manual_seed(7)
     # every step up to max_num_seqs rows, with QuantLinear's kernel at each row count: from 16 rows the
     # int8 mode's vpdpbusd outer kernel, the exact mode's panel (batch-invariant) or outer-product

@@ -219,6 +219,49 @@ def test_rope_store_kv_matches_torch_rotary_and_cache_write():
         native.rope_store_kv(qkv, H + 1, Hkv, cos, sin, slots, kc, vc)
 
 
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (8, 2, 128), (6, 3, 48), (4, 2, 40), (5, 5, 80)])
+def test_token_attention_over_a_bf16_cache_is_the_fp32_kernel_on_the_widened_cache(H, Hkv, D):
+    """bf16 values widen to fp32 exactly, so the bf16 build must give the fp32 build's bits on
+    cache.float(), on the vector path and (D 40) the plain loop, decodes and prefill rows alike."""
+    S, T, L = 300, 21, 90
+    g = torch.Generator().manual_seed(D)
+    kc, vc = (x.to(torch.bfloat16) for x in _cache(S, Hkv, D, seed=D))
+    q = torch.randn(T, H, D, generator=g)
+    idx = torch.randint(0, S, (T, L), generator=g)
+    row, lens = torch.arange(T), torch.randint(0, L + 1, (T,), generator=g)
+    lens[0], lens[1] = 1, L  # one key; the longest context (lens 0 rows are skipped, both builds)
+    out = torch.zeros(T, H, D)
+    got = native.token_attention(q, kc, vc, idx, row, lens, D**-0.5, L, out=out.clone())
+    want = native.token_attention(q, kc.float(), vc.float(), idx, row, lens, D**-0.5, L, out=out.clone())
+    assert torch.equal(got, want)
+    ref = native.token_attention_reference(q, kc.float(), vc.float(), idx, row, lens, D**-0.5)
+    live = lens > 0
+    assert torch.allclose(got[live], ref[live], atol=2e-5)
+
+
+def test_rope_store_kv_into_bf16_caches_rounds_as_torch():
+    """k and v stored in bf16 are torch's rounding (Tensor.to: nearest even, a NaN as 0xFFFF) of what
+    the fp32 build stores, ties and NaN included; q is the fp32 build's."""
+    from deepinfer.engine.models.layers import RotaryEmbedding
+
+    H, Hkv, D, T, S = 6, 2, 32, 5, 40
+    g = torch.Generator().manual_seed(9)
+    cos, sin = RotaryEmbedding(D, 128, 10000.0, None).tables(torch.tensor([0, 3, 17, 60, 127]), torch.float32)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    v0 = (H + Hkv) * D
+    # v values on rounding ties (bf16's last bit even and odd), and a NaN
+    qkv[0, v0 : v0 + 3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, float("nan")])
+    slots = torch.tensor([7, 0, 39, 12, 5])
+    k32, v32 = torch.zeros(S, Hkv, D), torch.zeros(S, Hkv, D)
+    k16, v16 = torch.zeros(S, Hkv, D, dtype=torch.bfloat16), torch.zeros(S, Hkv, D, dtype=torch.bfloat16)
+    q32 = native.rope_store_kv(qkv, H, Hkv, cos, sin, slots, k32, v32)
+    q16 = native.rope_store_kv(qkv, H, Hkv, cos, sin, slots, k16, v16)
+    assert torch.equal(q16, q32)
+    assert torch.equal(k16.view(torch.int16), k32.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(v16.view(torch.int16), v32.to(torch.bfloat16).view(torch.int16))
+    assert v16[7, 0, :2].tolist() == [1.0, 1 + 2**-6] and v16[7, 0, 2].isnan()
+
+
 @pytest.mark.parametrize("inter", [1536, 16, 37])
 def test_silu_mul_matches_torch_and_is_row_invariant(inter):
     g = torch.Generator().manual_seed(5)
