@@ -132,7 +132,7 @@ def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[in
     engine = engines[args.precisions[-1]]
     print(f"threads={torch.get_num_threads()}  llama.cpp n_threads={args.llamacpp_threads if peer_py else '-'}  new_tokens={n}  best of {args.repeats}  model={os.path.basename(engine.model_source)}")
     for p, e in engines.items():
-        print(f"  dtype={p!r}: precision {e.precision}, resident weights {e.stats.weight_bytes / 1e6:.1f} MB "
+        print(f"  dtype={p!r}: precision {e.precision}, KV cache {e.kv_cache_dtype}, resident weights {e.stats.weight_bytes / 1e6:.1f} MB "
               f"= {e.stats.weight_bytes / max(e.stats.checkpoint_bytes, 1):.2f}x the checkpoint's {e.stats.checkpoint_bytes / 1e6:.1f} MB")
     base = args.precisions[0]
     vref = next(iter(vllm), None)  # ratios against vLLM's first dtype (bf16 by default)

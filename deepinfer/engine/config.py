@@ -153,6 +153,9 @@ class EngineConfig:
         if isinstance(self.expert_parallel_size, bool) or not isinstance(self.expert_parallel_size, int) \
                 or self.expert_parallel_size < 1:
             raise bad(f"expert_parallel_size must be an int >= 1, got {self.expert_parallel_size!r}")
+        if self.kv_cache_dtype != "auto" and self.expert_parallel_size > 1:
+            raise bad(f"kv_cache_dtype={self.kv_cache_dtype!r} with expert_parallel_size > 1: the workers' KV caches "
+                      "keep the compute dtype (leave it 'auto')")
         if self.expert_parallel_dispatch not in ("normal", "low_latency"):
             raise bad(f"expert_parallel_dispatch must be 'normal' or 'low_latency', got {self.expert_parallel_dispatch!r}")
         if not (isinstance(self.expert_parallel_timeout, (int, float)) and not isinstance(self.expert_parallel_timeout, bool)

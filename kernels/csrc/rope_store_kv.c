@@ -1,6 +1,7 @@
 /* Rotary embedding of q and k straight out of the fused q|k|v projection, with k and v written to
- * their paged-cache slots (fp32, CPU): one call per layer in place of ~8 torch ops (split, roll,
- * multiplies, two index_copy_) on the decode path, where those ops' fixed costs dominate.
+ * their paged-cache slots (CPU; fp32 math, the cache in fp32 or bf16): one call per layer in place of
+ * ~8 torch ops (split, roll, multiplies, two index_copy_) on the decode path, where those ops' fixed
+ * costs dominate.
  *
  * Rotate-half convention (HF): out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i], with the sign of
  * rotate_half folded into sin (sin[i] < D/2 holds -sin). Each token is computed on its own
@@ -15,30 +16,6 @@ static void rotate(const float *x, const float *c, const float *s, int64_t D, fl
     for (int64_t i = half; i < D; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-/* qkv: [T, (H + 2 Hkv) D] rows ld apart; cos, sin: [T, D]; slots: int64 [T] in [0, S);
- * caches: [S, Hkv, D] contiguous; q_out: [T, H, D] contiguous. Returns 0, or 1 if a slot is out of
- * range (that token's k and v are not written). */
-int di_rope_store_kv_f32(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                         const float *cos, const float *sin, const int64_t *slots, int64_t S, float *kc,
-                         float *vc, float *q_out) {
-    int bad = 0;
-#pragma omp parallel for schedule(static) if (T >= 16)
-    for (int64_t t = 0; t < T; ++t) {
-        if (slots[t] < 0 || slots[t] >= S) {
-#pragma omp atomic write
-            bad = 1;
-            continue;
-        }
-        const float *row = qkv + t * ld, *c = cos + t * D, *s = sin + t * D;
-        for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, q_out + (t * H + h) * D);
-        float *k = kc + slots[t] * Hkv * D, *v = vc + slots[t] * Hkv * D;
-        for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, c, s, D, k + h * D);
-        const float *vs = row + (H + Hkv) * D;
-        for (int64_t i = 0; i < Hkv * D; ++i) v[i] = vs[i];
-    }
-    return bad;
-}
-
 /* fp32 -> bf16, rounded to nearest even, any NaN -> 0xFFFF: what torch's tensor conversion
  * (Tensor.to(torch.bfloat16), vectorised on CPU) gives, bit for bit, so a cache written here and one
  * written by torch's index_copy_ of k.to(bfloat16) agree */
@@ -49,11 +26,22 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* di_rope_store_kv_f32 with bf16 caches (uint16 bit patterns): k and v rounded as they are stored; q
- * stays fp32 */
-int di_rope_store_kv_bf16(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                          const float *cos, const float *sin, const int64_t *slots, int64_t S, uint16_t *kc,
-                          uint16_t *vc, float *q_out) {
+/* n values of x into a cache row: as they are (fp32), or rounded (BF) */
+static inline __attribute__((always_inline)) void put(const int BF, const float *x, int64_t n, void *dst) {
+    if (BF)
+        for (int64_t i = 0; i < n; ++i) ((uint16_t *)dst)[i] = to_bf16(x[i]);
+    else
+        memcpy(dst, x, sizeof(float) * (size_t)n);
+}
+
+/* qkv: [T, (H + 2 Hkv) D] rows ld apart; cos, sin: [T, D]; slots: int64 [T] in [0, S);
+ * caches: [S, Hkv, D] contiguous (fp32, or bf16 with BF); q_out: [T, H, D] contiguous. Returns 0, or
+ * 1 if a slot is out of range (that token's k and v are not written). */
+static inline __attribute__((always_inline)) int rope_store_kv(const int BF, const float *qkv, int64_t ld, int64_t T,
+                                                               int64_t H, int64_t Hkv, int64_t D, const float *cos,
+                                                               const float *sin, const int64_t *slots, int64_t S,
+                                                               char *kc, char *vc, float *q_out) {
+    const int64_t row = Hkv * D * (BF ? 2 : 4); /* bytes per cache slot */
     int bad = 0;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int64_t t = 0; t < T; ++t) {
@@ -62,16 +50,28 @@ int di_rope_store_kv_bf16(const float *qkv, int64_t ld, int64_t T, int64_t H, in
             bad = 1;
             continue;
         }
-        const float *row = qkv + t * ld, *c = cos + t * D, *s = sin + t * D;
-        for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, D, q_out + (t * H + h) * D);
-        uint16_t *k = kc + slots[t] * Hkv * D, *v = vc + slots[t] * Hkv * D;
+        const float *x = qkv + t * ld, *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < H; ++h) rotate(x + h * D, c, s, D, q_out + (t * H + h) * D);
+        char *k = kc + slots[t] * row, *v = vc + slots[t] * row;
         float kr[D];
         for (int64_t h = 0; h < Hkv; ++h) {
-            rotate(row + (H + h) * D, c, s, D, kr);
-            for (int64_t i = 0; i < D; ++i) k[h * D + i] = to_bf16(kr[i]);
+            rotate(x + (H + h) * D, c, s, D, kr);
+            put(BF, kr, D, k + h * D * (BF ? 2 : 4));
         }
-        const float *vs = row + (H + Hkv) * D;
-        for (int64_t i = 0; i < Hkv * D; ++i) v[i] = to_bf16(vs[i]);
+        put(BF, x + (H + Hkv) * D, Hkv * D, v);
     }
     return bad;
+}
+
+int di_rope_store_kv_f32(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                         const float *cos, const float *sin, const int64_t *slots, int64_t S, float *kc,
+                         float *vc, float *q_out) {
+    return rope_store_kv(0, qkv, ld, T, H, Hkv, D, cos, sin, slots, S, (char *)kc, (char *)vc, q_out);
+}
+
+/* bf16 caches (uint16 bit patterns): k and v rounded as they are stored; q stays fp32 */
+int di_rope_store_kv_bf16(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                          const float *cos, const float *sin, const int64_t *slots, int64_t S, uint16_t *kc,
+                          uint16_t *vc, float *q_out) {
+    return rope_store_kv(1, qkv, ld, T, H, Hkv, D, cos, sin, slots, S, (char *)kc, (char *)vc, q_out);
 }

@@ -8,6 +8,7 @@ import torch
 
 from deepinfer import Engine, SamplingParams
 from deepinfer.engine.attention import ForwardContext, PrefillChunk, paged_attention
+from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.errors import InvalidRequestError
 from deepinfer_kernels import native
@@ -26,6 +27,9 @@ def _prefill(eng: Engine, ids: list[int]) -> torch.Tensor:
 def test_bad_setting_is_a_typed_error():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         Engine(kv_cache_dtype="fp8")
+    # named before any worker starts: expert parallelism's workers keep the compute dtype
+    with pytest.raises(InvalidRequestError, match="expert_parallel_size"):
+        EngineConfig(kv_cache_dtype="bfloat16", expert_parallel_size=2)
 
 
 @needs_native
