@@ -20,6 +20,7 @@
 #include "vec16.h"
 
 #define MAX_DV 8 /* head dims up to 8 x 16 = 128 take the vector path */
+#define MAX_HN 4 /* query heads of one KV head computed together */
 
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 
@@ -34,7 +35,6 @@ static inline __attribute__((always_inline)) float kv1(const int BF, const char 
     union { uint32_t u; float f; } x = {(uint32_t)((const uint16_t *)p)[i] << 16};
     return x.f;
 }
-#define MAX_HN 4 /* query heads of one KV head computed together */
 
 /* four 16-lane partial dot products -> lanes (a b c d).(0..7) + (8..15) then their (0..3) + (4..7):
  * hsum16's first two steps, for four vectors at once (chunk k of the result holds vector k's 4 lanes) */
