@@ -12,6 +12,7 @@ before the model loads.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -54,6 +55,11 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_job_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--model", "-m", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)")
     run.add_argument("--kv-cache-memory", type=int, default=None, metavar="MIB", help="KV cache size in MiB")
+    run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "quantized", "quantized_exact"],
+                     default=None, help="precision (default auto: exact; on CPU 'quantized' (int8 dot products on a "
+                                        "GGUF) and 'bfloat16' (bf16 dot products) are the fast, approximate modes)")
+    run.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                     help="KV cache element type (default auto: bf16 on CPU in the quantized and bfloat16 modes)")
     run.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None,
                      help="speculative decoding (exact: same output): 'ngram' drafts from the record's own text, "
                           "'draft' from the model's own first layers (or --draft-model), 'mtp' from the checkpoint's "
@@ -84,8 +90,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options = {}
     if args.kv_cache_memory is not None:
         options["kv_cache_memory"] = args.kv_cache_memory << 20
-    if args.speculative is not None:
-        options["speculative"] = args.speculative
+    for name in ("dtype", "kv_cache_dtype", "speculative"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     if args.draft_model is not None:
         options["draft_model"] = args.draft_model
     if args.seed is not None:
@@ -142,6 +149,9 @@ def _run(args: argparse.Namespace) -> int:
             from deepinfer.jobs.batch_runner import run_batch_job
 
             engine = Engine(args.model, **options)
+            if not args.quiet:
+                print(f"{name}: {os.path.basename(str(engine.model_source))}, precision {engine.precision}, "
+                      f"KV cache {engine.kv_cache_dtype}", file=sys.stderr)
             summary = run_batch_job(opts, engine, model=args.model) if batch else run_job(program, opts, engine)
     except JobUsageError as e:
         print(f"{name}: error: {e}", file=sys.stderr)

@@ -109,3 +109,22 @@ def test_speculative_run_writes_the_same_records(tmp_path):
     r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "x.jsonl"),
             "--speculative", "eagle")
     assert r.returncode == 2 and "--speculative" in r.stderr
+
+
+def test_precision_and_kv_cache_type_reach_the_engine(tmp_path):
+    write_records(tmp_path / "in.jsonl", 2)
+    seen = {}
+    for name, extra in (("int8", ("--dtype", "quantized")),
+                        ("int8-f32kv", ("--dtype", "quantized", "--kv-cache-dtype", "float32")),
+                        ("default", ())):
+        r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"{name}.jsonl"),
+                "--temperature", "0", "--max-tokens", "3", "--kv-cache-memory", "64", *extra)
+        assert r.returncode == 0, r.stderr
+        assert len(results(tmp_path / f"{name}.jsonl")) == 2
+        seen[name] = next(l for l in r.stderr.splitlines() if "precision" in l)
+    assert "precision quantized-int8, KV cache bfloat16" in seen["int8"]
+    assert "precision quantized-int8, KV cache float32" in seen["int8-f32kv"]
+    assert "precision quantized-exact, KV cache float32" in seen["default"]
+    r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "x.jsonl"),
+            "--kv-cache-dtype", "fp8")
+    assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr
