@@ -77,8 +77,7 @@ class StackLayer:
 
 
 def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
-    if dtype not in (torch.float32, *native.KV_DTYPES) or t.dtype != dtype or t.device.type != "cpu" \
-            or not t.is_contiguous() or tuple(t.shape) != shape:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
         want = "float32" if dtype == torch.float32 else f"{dtype} (as layer 0's cache)"
         raise KernelInputError(f"DecodeStack: {name} must be a contiguous {want} CPU tensor {shape}, "
                                f"got {t.dtype} {tuple(t.shape)}")
@@ -105,6 +104,8 @@ class DecodeStack:
         lib = _lib()
         first = layers[0]
         slots, kv_heads, head_dim = first.k_cache.shape
+        if first.k_cache.dtype not in native.KV_DTYPES:
+            raise KernelInputError(f"DecodeStack: the KV caches must be float32 or bfloat16, got {first.k_cache.dtype}")
         hidden, inter = first.o.n, first.down.k
         if num_heads % kv_heads or head_dim % 2:
             raise KernelInputError(f"DecodeStack: {num_heads} heads do not fit {kv_heads} KV heads of dim {head_dim}")

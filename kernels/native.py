@@ -339,6 +339,17 @@ def set_bf16_dot_cap(cap: int | None) -> None:
 KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV-cache dtypes token_attention and rope_store_kv take
 
 
+def _check_caches(where: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """K and V caches as the kernels read them: contiguous CPU tensors of one shape, both fp32 or both bf16."""
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise KernelInputError(f"{where}: the caches must be both float32 or both bfloat16, got "
+                               f"{k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelInputError(f"{where}: the caches must be contiguous CPU tensors")
+    if v_cache.shape != k_cache.shape:
+        raise KernelInputError(f"{where}: the caches differ in shape: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+
+
 def token_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -363,14 +374,11 @@ def token_attention(
         raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
     T, H, D = q.shape
     S, Hkv, Dk = k_cache.shape
-    if q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise KernelInputError("token_attention: q must be float32 and the caches both float32 or both bfloat16")
-    if q.device.type != "cpu":
-        raise KernelInputError("token_attention runs on CPU tensors only")
-    if Dk != D or H % Hkv or v_cache.shape != k_cache.shape:
+    if q.dtype != torch.float32 or q.device.type != "cpu" or q.stride(2) != 1:
+        raise KernelInputError("token_attention: q must be a float32 CPU tensor with its last dim dense")
+    _check_caches("token_attention", k_cache, v_cache)
+    if Dk != D or H % Hkv:
         raise KernelInputError(f"token_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1:
-        raise KernelInputError("token_attention: caches must be contiguous and q's last dim dense")
     for name, t in (("idx", idx), ("row", row), ("lens", lens)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise KernelInputError(f"token_attention: {name} must be a contiguous int64 tensor")
@@ -421,12 +429,9 @@ def rope_store_kv(
         raise KernelInputError("rope_store_kv: qkv must be float32 with dense rows")
     for name, t in (("cos", cos), ("sin", sin)):
         _dense_f32(f"rope_store_kv: {name}", t)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != k_cache.dtype or t.dtype not in KV_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
-            raise KernelInputError(f"rope_store_kv: {name} must be a contiguous CPU tensor, both caches float32 or "
-                                   "both bfloat16")
-    if v_cache.shape != k_cache.shape or cos.numel() != T * D or sin.numel() != T * D:
-        raise KernelInputError("rope_store_kv: caches differ in shape or cos/sin are not [T, D]")
+    _check_caches("rope_store_kv", k_cache, v_cache)
+    if cos.numel() != T * D or sin.numel() != T * D:
+        raise KernelInputError("rope_store_kv: cos/sin are not [T, D]")
     if slots.dtype != torch.int64 or slots.shape != (T,) or not slots.is_contiguous():
         raise KernelInputError("rope_store_kv: slots must be a contiguous int64 [T] tensor")
     q = torch.empty(T, num_heads, D, dtype=torch.float32)

@@ -168,17 +168,22 @@ class ModelRunner:
         native_cpu = (self.device.type == "cpu" and self.dtype == torch.float32 and self.kv_parts == 2
                       and self.config.expert_parallel_size == 1)
         if setting == "auto":
-            from deepinfer_kernels import native
-
             approximate = quant_mode in ("int8", "bf16") or self.bf16_dot
-            fast = self.config.kernels == "auto" and native.available()
-            return torch.bfloat16 if approximate and native_cpu and fast else self.dtype
+            return torch.bfloat16 if approximate and native_cpu and self._native_attention() else self.dtype
         want = getattr(torch, setting)
         if want != self.dtype and not native_cpu:
             raise InvalidRequestError(
                 f"kv_cache_dtype={setting!r} differs from the compute dtype {self.precision}: that runs only on CPU "
                 f"with fp32 compute, per-head K/V caches (not MLA's latent cache) and expert_parallel_size=1")
         return want
+
+    def _native_attention(self) -> bool:
+        """Whether attention runs on the native CPU kernels (csrc/token_attention.c, rope_store_kv.c):
+        CPU, fp32 compute, kernels="auto" and the library built."""
+        from deepinfer_kernels import native
+
+        return self.device.type == "cpu" and self.dtype == torch.float32 and self.config.kernels == "auto" \
+            and native.available()
 
     def _capture_graphs(self):
         """Decode graphs per batch bucket (cuda_graphs.py); needs the paged decode kernel."""
@@ -335,8 +340,7 @@ class ModelRunner:
 
         # native CPU attention (fp32): 4-8x faster than gathering for SDPA at decode (benchmarks/kernels.py),
         # and batch-invariant by construction, so that mode runs every token through it
-        if (self.device.type == "cpu" and self.dtype == torch.float32 and self.kernels == "auto"
-                and native.available()):
+        if self._native_attention():
             self.token_attention = native.token_attention
             self.token_attention_all = self.config.batch_invariant
             self.rope_store_kv = native.rope_store_kv
