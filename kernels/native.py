@@ -162,7 +162,8 @@ def load() -> ctypes.CDLL | None:
         lib.di_gemm_bf16dot_level.restype = ctypes.c_int
         lib.di_gemm_bf16dot_set_cap.argtypes = [ctypes.c_int]
         lib.di_gemm_bf16dot_set_cap.restype = None
-        lib.di_rope_store_kv_f32.argtypes = [fp, i64, i64, i64, i64, i64, fp, fp, fp, i64, fp, fp, fp]
+        lib.di_rope_store_kv_f32.argtypes = [fp, i64, i64, i64, i64, i64, fp, fp, fp, i64, fp, fp, fp, fp, fp,
+                                             ctypes.c_float]
         lib.di_rope_store_kv_f32.restype = ctypes.c_int
         lib.di_rope_store_kv_bf16.argtypes = lib.di_rope_store_kv_f32.argtypes
         lib.di_rope_store_kv_bf16.restype = ctypes.c_int
@@ -410,12 +411,17 @@ def rope_store_kv(
     slots: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Rotary embedding + KV-cache write from a fused projection; returns the rotated q [T, H, D].
 
     qkv [T, (H + 2 Hkv) D] fp32 (rows dense); cos/sin [T, D] (any leading shape with T * D values,
     sin carrying rotate_half's sign: -sin in the first half); slots int64 [T]; caches [S, Hkv, D],
     both fp32 or both bf16 (then k and v are rounded to nearest even as stored: Tensor.to's bits).
+    q_norm / k_norm: per-head RMSNorm weights [D] (Qwen3; both or neither), applied to every q and k
+    head before the rotation with `add_rmsnorm`'s bits, eps its epsilon.
     The rotated k and the v of token t go to cache slot slots[t]; a slot outside the cache raises
     KernelInputError (the other tokens are still written)."""
     lib = load()
@@ -434,11 +440,20 @@ def rope_store_kv(
         raise KernelInputError("rope_store_kv: cos/sin are not [T, D]")
     if slots.dtype != torch.int64 or slots.shape != (T,) or not slots.is_contiguous():
         raise KernelInputError("rope_store_kv: slots must be a contiguous int64 [T] tensor")
+    if (q_norm is None) != (k_norm is None):
+        raise KernelInputError("rope_store_kv: q_norm and k_norm go together (both or neither)")
+    for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if t is not None:
+            _dense_f32(f"rope_store_kv: {name}", t)
+            if t.numel() != D:
+                raise KernelInputError(f"rope_store_kv: {name} has {t.numel()} weights for head dim {D}")
     q = torch.empty(T, num_heads, D, dtype=torch.float32)
     if T:
         fn = lib.di_rope_store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.di_rope_store_kv_f32
         rc = fn(qkv.data_ptr(), qkv.stride(0), T, num_heads, Hkv, D, cos.data_ptr(),
-                sin.data_ptr(), slots.data_ptr(), S, k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+                sin.data_ptr(), slots.data_ptr(), S, k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+                q_norm.data_ptr() if q_norm is not None else None, k_norm.data_ptr() if k_norm is not None else None,
+                eps)
         if rc:
             raise KernelInputError(f"rope_store_kv: a slot is outside the cache's {S} slots")
     return q

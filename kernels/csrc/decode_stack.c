@@ -27,14 +27,14 @@ int di_add_rmsnorm_f32(const float *x, const float *residual, const float *w, fl
                        float *res_out, int64_t M, int64_t D);
 int di_rope_store_kv_f32(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                          const float *cos, const float *sin, const int64_t *slots, int64_t S, float *kc,
-                         float *vc, float *q_out);
+                         float *vc, float *q_out, const float *qn, const float *kn, float eps);
 int di_token_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *kc, const float *vc,
                            const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
                            float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
                            float scale);
 int di_rope_store_kv_bf16(const float *qkv, int64_t ld, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                           const float *cos, const float *sin, const int64_t *slots, int64_t S, uint16_t *kc,
-                          uint16_t *vc, float *q_out);
+                          uint16_t *vc, float *q_out, const float *qn, const float *kn, float eps);
 int di_token_attention_bf16(const float *q, int64_t q_st, int64_t q_sh, const uint16_t *kc, const uint16_t *vc,
                             const int64_t *idx, int64_t idx_ld, const int64_t *row, const int64_t *len,
                             float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
@@ -212,9 +212,9 @@ int di_decode_stack(const di_ds_model *m, int64_t n_layers, const float *x_in, i
         else di_add_rmsnorm_f32(s.x, residual, ly->in_norm, m->eps, s.h, s.res, M, hid);
         if ((rc = project(m, &s, ly->qkv, s.h, M, ly->qkv_bias, s.qkv))) break;
         if (m->kv_bf16 ? di_rope_store_kv_bf16(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots,
-                                               ly->k_cache, ly->v_cache, s.q)
+                                               ly->k_cache, ly->v_cache, s.q, 0, 0, 0.f)
                        : di_rope_store_kv_f32(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots, ly->k_cache,
-                                              ly->v_cache, s.q)) {
+                                              ly->v_cache, s.q, 0, 0, 0.f)) {
             rc = DS_BAD_SLOT;
             break;
         }

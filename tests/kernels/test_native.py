@@ -219,6 +219,39 @@ def test_rope_store_kv_matches_torch_rotary_and_cache_write():
         native.rope_store_kv(qkv, H + 1, Hkv, cos, sin, slots, kc, vc)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_with_qk_norm_is_the_norm_kernel_then_the_rotation(kv_dtype):
+    """Qwen3's per-head q / k RMSNorm in the same call: bit for bit add_rmsnorm on every head, then the
+    plain rotation and cache write; and within fp32 rounding of torch's rms_norm + rotary."""
+    from deepinfer.engine.models.layers import RotaryEmbedding
+
+    H, Hkv, D, T, S, eps = 4, 2, 128, 6, 40, 1e-6
+    g = torch.Generator().manual_seed(10)
+    rot = RotaryEmbedding(D, 256, 1e6, None)
+    cos, sin = rot.tables(torch.tensor([0, 1, 5, 77, 200, 255]), torch.float32)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g) * 3
+    qw, kw = torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5
+    slots = torch.tensor([3, 0, 39, 12, 5, 20])
+    kc, vc = torch.zeros(S, Hkv, D, dtype=kv_dtype), torch.zeros(S, Hkv, D, dtype=kv_dtype)
+    q = native.rope_store_kv(qkv, H, Hkv, cos, sin, slots, kc, vc, q_norm=qw, k_norm=kw, eps=eps)
+    normed = qkv.clone()
+    heads = normed[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    heads[:, :H] = native.add_rmsnorm(heads[:, :H].reshape(-1, D), None, qw, eps)[0].view(T, H, D)
+    heads[:, H:] = native.add_rmsnorm(heads[:, H:].reshape(-1, D), None, kw, eps)[0].view(T, Hkv, D)
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    assert torch.equal(q, native.rope_store_kv(normed, H, Hkv, cos, sin, slots, kc2, vc2))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    x = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    ref_q = rot.apply(F.rms_norm(x[:, :H], (D,), qw, eps), (cos, sin))
+    ref_k = rot.apply(F.rms_norm(x[:, H:], (D,), kw, eps), (cos, sin))
+    tol = 1e-5 if kv_dtype == torch.float32 else 1e-2
+    assert torch.allclose(q, ref_q, atol=1e-5) and torch.allclose(kc[slots].float(), ref_k, atol=tol, rtol=tol)
+    with pytest.raises(KernelInputError, match="both or neither"):
+        native.rope_store_kv(qkv, H, Hkv, cos, sin, slots, kc, vc, q_norm=qw)
+    with pytest.raises(KernelInputError, match="weights for head dim"):
+        native.rope_store_kv(qkv, H, Hkv, cos, sin, slots, kc, vc, q_norm=qw[:64], k_norm=kw)
+
+
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (8, 2, 128), (6, 3, 48), (4, 2, 40), (5, 5, 80)])
 def test_token_attention_over_a_bf16_cache_is_the_fp32_kernel_on_the_widened_cache(H, Hkv, D):
     """bf16 values widen to fp32 exactly, so the bf16 build must give the fp32 build's bits on

@@ -131,9 +131,12 @@ class Attention(nn.Module):
         qkv = self._proj("qkv", x, self.qkv_weight, self.qkv_bias, meta)
         T = x.shape[0]
         k_cache, v_cache = kv_cache
-        if meta.rope_store_kv is not None and self.q_norm is None:
-            # one native call rotates q and k and writes k and v to the cache
-            q = meta.rope_store_kv(qkv, self.n_heads, self.n_kv, rope[0], rope[1], meta.slot_mapping, k_cache, v_cache)
+        if meta.rope_store_kv is not None:
+            # one native call (Qwen3: norms q and k per head first) rotates q and k and writes k and v to the cache
+            norms = {} if self.q_norm is None else \
+                dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, eps=self.q_norm.eps)
+            q = meta.rope_store_kv(qkv, self.n_heads, self.n_kv, rope[0], rope[1], meta.slot_mapping, k_cache, v_cache,
+                                   **norms)
             o = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
             return self._proj("o", o.reshape(T, self.q_size), self.o_weight, None, meta)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
