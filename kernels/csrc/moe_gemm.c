@@ -120,6 +120,13 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #ifndef PF_BYTES
 #define PF_BYTES 8192
 #endif
+/* The tall tile's prefetch hint: 1 (prefetcht2) rather than the default 3 (prefetcht0). In the engine
+ * (Qwen3-MoE-shaped model, batch 128, 64 new tokens, 2 threads, builds alternating in one process, 8
+ * pairs): 1.06x the tokens/s of prefetcht0 (paired median), prefetcht1 1.04x, the wide tile's hint
+ * as well or 16 KiB ahead no further change. */
+#ifndef PF_LOC
+#define PF_LOC 1
+#endif
 
 /* Where a row tile's prefetches point: PF_BYTES ahead in its panel, except in the last row tile of a
  * group that has several (the panel block is in L1 by then and no later tile needs it): there they
@@ -303,7 +310,7 @@ static inline __attribute__((always_inline)) void tall_tile(const int m, const f
 #pragma GCC unroll 32
     for (int r = 0; r < m; ++r) acc[r] = splat(0.f);
     for (int64_t k = 0; k < K; ++k) {
-        __builtin_prefetch((const char *)(w + k * VW) + PF_BYTES);
+        __builtin_prefetch((const char *)(w + k * VW) + PF_BYTES, 0, PF_LOC);
         const vf wk = ldw(w + k * VW);
         const float *xk = xt + k * ldt;
 #pragma GCC unroll 32
