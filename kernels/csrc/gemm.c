@@ -91,15 +91,23 @@ static inline v16 wload16(const float *p) { return load16(p); }
 
 #include "panel_tile.h"
 
+#ifndef GEMM_PF_NEXT
+#define GEMM_PF_NEXT 1
+#endif
+/* One cache line of pf (NULL: none) every 4 k steps, into L2: a tile's share of the next panel (see di_gemm) */
+#define PF_NEXT(k) do { if (GEMM_PF_NEXT && pf && ((k) & 3) == 0) __builtin_prefetch(pf + ((k) >> 2) * 64, 0, 1); } while (0)
+
 /* acc[r][0..2] = x[r, :] . panel (all k, in order) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *x, int64_t ldx,
-                                                             const wt_t *w, int64_t K, v16 acc[MR][3]) {
+                                                             const wt_t *w, int64_t K, v16 acc[MR][3],
+                                                             const char *pf) {
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = splat16(0.f);
 #ifdef GEMM_BF16
     const u32x16 hi = (u32x16){0} + 0xffff0000u;
     int64_t k = 0;
     for (; k + 1 < K; k += 2) {
+        PF_NEXT(k);
         const wt_t *wk = w + k * NR; /* rows k, k + 1 of 48 columns: 96 bf16 */
         const u32x16 a0 = *(const u32x16u *)wk, a1 = *(const u32x16u *)(wk + 32), a2 = *(const u32x16u *)(wk + 64);
         const v16 e0 = (v16)(a0 << 16), e1 = (v16)(a1 << 16), e2 = (v16)(a2 << 16);
@@ -127,6 +135,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
     }
 #else
     for (int64_t k = 0; k < K; ++k) {
+        PF_NEXT(k);
         const wt_t *wk = w + k * NR;
         const v16 w0 = wload16(wk), w1 = wload16(wk + 16), w2 = wload16(wk + 32);
         for (int r = 0; r < mr; ++r) {
@@ -141,16 +150,17 @@ static inline __attribute__((always_inline)) void panel_tile(const int mr, const
 
 static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx, const wt_t *wp,
                                                        int64_t K, int64_t p, int gated, float *y, int64_t ldy,
-                                                       int64_t ncols, const float *bias) {
+                                                       int64_t ncols, const float *bias, const char *pf,
+                                                       const char *pf_up) {
     v16 acc[MR][3];
     if (!gated) {
-        panel_tile(mr, x, ldx, wp + p * KPAD(K) * NR, K, acc);
+        panel_tile(mr, x, ldx, wp + p * KPAD(K) * NR, K, acc, pf);
         store_tile(mr, acc, y + p * NR, ldy, ncols, bias ? bias + p * NR : 0);
         return;
     }
     v16 up[MR][3];
-    panel_tile(mr, x, ldx, wp + 2 * p * KPAD(K) * NR, K, acc);
-    panel_tile(mr, x, ldx, wp + (2 * p + 1) * KPAD(K) * NR, K, up);
+    panel_tile(mr, x, ldx, wp + 2 * p * KPAD(K) * NR, K, acc, pf);
+    panel_tile(mr, x, ldx, wp + (2 * p + 1) * KPAD(K) * NR, K, up, pf_up);
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = silu16(acc[r][c]) * up[r][c];
     store_tile(mr, acc, y + p * NR, ldy, ncols, 0);
@@ -162,22 +172,31 @@ int FN(di_gemm)(const float *x, int64_t ldx, int64_t M, const wt_t *wp, int64_t 
                 const float *bias, float *y, int64_t ldy) {
     const int64_t P = (N + NR - 1) / NR;
     const int64_t tiles = (M + MR - 1) / MR;
+    /* Each row tile of panel p prefetches its share of panel p + 1 (the one this thread takes next
+     * under the static schedule) into L2, spread over its k loop: otherwise the first tile of every
+     * panel waits on memory for the whole panel while the others find it in L2. 48 fp32 weights of
+     * K = 1024 (250 MB, from memory), 2 threads, builds alternating in one process, paired median of 8:
+     * 1.03x at 1 row, 1.06x at 8, 1.03x at 32, 1.04x at 128, 1.03x at 512. Same bits either way. */
+    const int64_t panel_bytes = (int64_t)sizeof(wt_t) * KPAD(K) * NR;
+    const int64_t share = ((panel_bytes + tiles - 1) / tiles + 63) / 64 * 64;
 #pragma omp parallel for schedule(static) if (P > 1 && M * N * K >= 32768)
     for (int64_t p = 0; p < P; ++p) {
         const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+        const char *next = p + 1 < P ? (const char *)(wp + (gated ? 2 : 1) * (p + 1) * KPAD(K) * NR) : 0;
         for (int64_t t = 0; t < tiles; ++t) {
             const int64_t r0 = t * MR;
             const float *xr = x + r0 * ldx;
             float *yr = y + r0 * ldy;
+            const char *pf = next ? next + t * share : 0, *pf_up = next && gated ? pf + panel_bytes : 0;
             switch (M - r0 < MR ? (int)(M - r0) : MR) {
-            case 8: tile(8, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
-            case 7: tile(7, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
-            case 6: tile(6, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
-            case 5: tile(5, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
-            case 4: tile(4, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
-            case 3: tile(3, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
-            case 2: tile(2, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
-            default: tile(1, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias); break;
+            case 8: tile(8, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+            case 7: tile(7, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+            case 6: tile(6, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+            case 5: tile(5, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+            case 4: tile(4, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+            case 3: tile(3, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+            case 2: tile(2, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+            default: tile(1, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
             }
         }
     }
