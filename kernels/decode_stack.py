@@ -29,7 +29,8 @@ _W = _i64 * 5
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
+    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr),
                 ("qkv", _W), ("o", _W), ("gate_up", _W), ("down", _W)]
 
 
@@ -74,6 +75,8 @@ class StackLayer:
     down: quant.QuantWeight
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weights of q and k (Qwen3): both or neither
+    k_norm: torch.Tensor | None = None
 
 
 def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
@@ -135,9 +138,15 @@ class DecodeStack:
             if ly.qkv_bias is not None:
                 _dense(f"layer {i} qkv_bias", ly.qkv_bias, (qkv_n,))
                 c.qkv_bias = ly.qkv_bias.data_ptr()
+            if (ly.q_norm is None) != (ly.k_norm is None):
+                raise KernelInputError(f"DecodeStack: layer {i} has a q_norm or a k_norm without the other")
+            if ly.q_norm is not None:
+                _dense(f"layer {i} q_norm", ly.q_norm, (head_dim,))
+                _dense(f"layer {i} k_norm", ly.k_norm, (head_dim,))
+                c.q_norm, c.k_norm = ly.q_norm.data_ptr(), ly.k_norm.data_ptr()
             c.in_norm, c.post_norm = ly.in_norm.data_ptr(), ly.post_norm.data_ptr()
             c.k_cache, c.v_cache = ly.k_cache.data_ptr(), ly.v_cache.data_ptr()
-            self._keep += [ly.in_norm, ly.post_norm, ly.qkv_bias, ly.k_cache, ly.v_cache]
+            self._keep += [ly.in_norm, ly.post_norm, ly.qkv_bias, ly.q_norm, ly.k_norm, ly.k_cache, ly.v_cache]
         m = self._model = _Model(n_layers=len(layers), hidden=hidden, heads=num_heads, kv_heads=kv_heads,
                                  head_dim=head_dim, inter=inter, slots=slots, block_size=block_size,
                                  positions=positions, mode=_MODES[mode], max_rows=max_rows, many=_MANY[many],

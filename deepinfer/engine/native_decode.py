@@ -5,9 +5,10 @@ A step of few query tokens (decodes, drafts to verify, short prefill chunks; up 
 rows, or fewer than quant.PANEL_M where the CPU lacks AVX2 in the exact modes) runs every decoder
 layer in one C call instead of ~10 Python-driven ops per layer (ModelRunner._forward), with the same kernels in the same order:
 the same bits as the per-op path, so the batch-invariant mode holds through it. Bound only for the
-plain dense decoder (Llama, Qwen2: GQA attention with rotate-half rope, optional q|k|v bias, gated
-MLP) whose every projection has blocks and whose norms, rotary + KV store and attention are the
-native kernels; anything else (Qwen3's q/k norms, MoE, MLA, fp32 projections) keeps the per-op path.
+plain dense decoder (Llama, Qwen2, Qwen3: GQA attention with rotate-half rope, optional q|k|v bias,
+optional per-head q/k RMSNorm, gated MLP) whose every projection has blocks and whose norms, rotary +
+KV store and attention are the native kernels; anything else (MoE, MLA, fp32 projections) keeps the
+per-op path.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
     for layer, (kc, vc) in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not GatedMLP
-                or attn.q_norm is not None or len(attn.kernels) or mlp.kernel is not None or attn.rotary is not rot
+                or len(attn.kernels) or mlp.kernel is not None or attn.rotary is not rot
                 or attn.scale != attn.head_dim**-0.5):
             return None
         blocks = [linear.table.get(w.data_ptr()) for w in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight,
@@ -47,8 +48,9 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
         if any(b is None for b in blocks):
             return None  # a projection without blocks (fp32 through F.linear)
         bias = attn.qkv_bias.data if attn.qkv_bias is not None else None
+        norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if attn.q_norm is not None else (None, None)
         layers.append(StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                 blocks[0], bias, blocks[1], blocks[2], blocks[3], kc, vc))
+                                 blocks[0], bias, blocks[1], blocks[2], blocks[3], kc, vc, *norms))
     rows, many = stack_kernels(linear, max_seqs)
     return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps, model.layers[0].self_attn.n_heads,
                        block_size, linear.row_mode, rows, many, (INT8_OUTER_M, INT8_OUTER_M_Q4))

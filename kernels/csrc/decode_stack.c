@@ -47,6 +47,7 @@ typedef int64_t di_ds_weight[5];
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden] */
     const float *qkv_bias;            /* [(H + 2 Hkv) D], or NULL */
+    const float *q_norm, *k_norm;     /* [D] per-head RMSNorm weights of q and k (Qwen3), or both NULL */
     void *k_cache, *v_cache;          /* [slots, Hkv, D] contiguous, fp32 or (kv_bf16) bf16 */
     di_ds_weight qkv, o, gate_up, down;
 } di_ds_layer;
@@ -212,9 +213,9 @@ int di_decode_stack(const di_ds_model *m, int64_t n_layers, const float *x_in, i
         else di_add_rmsnorm_f32(s.x, residual, ly->in_norm, m->eps, s.h, s.res, M, hid);
         if ((rc = project(m, &s, ly->qkv, s.h, M, ly->qkv_bias, s.qkv))) break;
         if (m->kv_bf16 ? di_rope_store_kv_bf16(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots,
-                                               ly->k_cache, ly->v_cache, s.q, 0, 0, 0.f)
+                                               ly->k_cache, ly->v_cache, s.q, ly->q_norm, ly->k_norm, m->eps)
                        : di_rope_store_kv_f32(s.qkv, qkv_n, M, H, Hkv, D, s.cs, s.sn, slots, m->slots, ly->k_cache,
-                                              ly->v_cache, s.q, 0, 0, 0.f)) {
+                                              ly->v_cache, s.q, ly->q_norm, ly->k_norm, m->eps)) {
             rc = DS_BAD_SLOT;
             break;
         }

@@ -65,7 +65,7 @@ def _same_as_per_op(runner, batch):
     return ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q|k|v bias, tied embedding
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q|k|v bias, tied embedding; qwen3: q/k norms
 @pytest.mark.parametrize("mode,invariant", [("exact", False), ("exact", True), ("bf16", False), ("int8", False)],
                          ids=["exact", "exact-invariant", "bf16", "int8"])
 def test_stack_is_bitwise_the_per_op_path(tiny_models, arch, mode, invariant):
@@ -141,7 +141,7 @@ def test_steps_the_stack_does_not_compute_take_the_per_op_path(tiny_models, mode
 
 
 def test_stack_binds_only_models_it_computes_exactly(tiny_models):
-    assert _runner(tiny_models["qwen3"], "exact").decode_stack is None  # q/k norms: per-op
+    assert _runner(tiny_models["qwen3"], "exact").decode_stack is not None  # q/k norms in rope_store_kv, as per-op
     assert _runner(tiny_models["llama"], "exact", batch_invariant=True).decode_stack is not None
     loaded = load_model(str(tiny_models["llama"]))
     fp32 = ModelRunner(EngineConfig(kv_cache_memory=2 << 20), loaded.config, loaded.weights, torch.device("cpu"),
