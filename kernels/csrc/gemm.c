@@ -179,25 +179,28 @@ int FN(di_gemm)(const float *x, int64_t ldx, int64_t M, const wt_t *wp, int64_t 
      * 1.03x at 1 row, 1.06x at 8, 1.03x at 32, 1.04x at 128, 1.03x at 512. Same bits either way. */
     const int64_t panel_bytes = (int64_t)sizeof(wt_t) * KPAD(K) * NR;
     const int64_t share = ((panel_bytes + tiles - 1) / tiles + 63) / 64 * 64;
-#pragma omp parallel for schedule(static) if (P > 1 && M * N * K >= 32768)
-    for (int64_t p = 0; p < P; ++p) {
+    /* Threads split (panel, row tile) items in order, contiguous blocks each: the panels when there
+     * are several (as before), and a single panel's row tiles (an MoE router's 32 columns) too, which
+     * otherwise ran on one thread: 1.76x at 128 rows, 1.97x at 2048 on [32, 1024] weights (2 threads,
+     * paired median of 8); the projections' shapes (1536 and 1024 columns) unchanged. */
+#pragma omp parallel for schedule(static) if (P * tiles > 1 && M * N * K >= 32768)
+    for (int64_t item = 0; item < P * tiles; ++item) {
+        const int64_t p = item / tiles, t = item % tiles;
         const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
         const char *next = p + 1 < P ? (const char *)(wp + (gated ? 2 : 1) * (p + 1) * KPAD(K) * NR) : 0;
-        for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t r0 = t * MR;
-            const float *xr = x + r0 * ldx;
-            float *yr = y + r0 * ldy;
-            const char *pf = next ? next + t * share : 0, *pf_up = next && gated ? pf + panel_bytes : 0;
-            switch (M - r0 < MR ? (int)(M - r0) : MR) {
-            case 8: tile(8, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            case 7: tile(7, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            case 6: tile(6, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            case 5: tile(5, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            case 4: tile(4, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            case 3: tile(3, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            case 2: tile(2, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            default: tile(1, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
-            }
+        const int64_t r0 = t * MR;
+        const float *xr = x + r0 * ldx;
+        float *yr = y + r0 * ldy;
+        const char *pf = next ? next + t * share : 0, *pf_up = next && gated ? pf + panel_bytes : 0;
+        switch (M - r0 < MR ? (int)(M - r0) : MR) {
+        case 8: tile(8, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+        case 7: tile(7, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+        case 6: tile(6, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+        case 5: tile(5, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+        case 4: tile(4, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+        case 3: tile(3, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+        case 2: tile(2, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
+        default: tile(1, xr, ldx, wp, K, p, gated, yr, ldy, ncols, bias, pf, pf_up); break;
         }
     }
     return 0;
