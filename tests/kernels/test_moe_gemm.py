@@ -119,12 +119,12 @@ def test_k_blocks_keep_a_rows_bits_and_the_reference(H):
         assert torch.equal(moe_gemm.moe_experts(x[t : t + 1], idx[t : t + 1], packed)[0], out[t])
 
 
-# An expert's rows go to the tall tile (up to 24 rows a tile with AVX-512, 12 on AVX2, in tiles of
+# An expert's rows go to the tall tile (up to 30 rows a tile with AVX-512, 12 on AVX2, in tiles of
 # near-equal height) up to 32 rows, to the wide tile (8 x up to 3 panels, chunks split evenly) past
 # that: a token's row is the same bits whichever tile and tile height it lands in. Sizes off the panel
 # width (I = 40, H = 56: 2.5 and 3.5 panels of 16).
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [2, 12, 13, 24, 25, 32, 33, 49, 100])
+@pytest.mark.parametrize("n", [2, 12, 13, 24, 25, 30, 31, 32, 33, 49, 100])
 def test_tall_and_wide_tiles_give_a_row_the_same_bits(n, weights):
     E, H, I = 2, 56, 40
     gu, down = _experts(E, H, I, seed=n)
