@@ -15,6 +15,9 @@ prompt tokens against 256 generated), where both systems run fp32 GEMMs near thi
 Measured in one session (fp32 checkpoint, best of 2), ours / transformers at batch 1 / 8 / 32 / 128:
 8 new tokens, V3 2.75 / 2.84 / 2.27 / 1.82x, Qwen3 3.20 / 2.85 / 2.36 / 1.85x; 64 new tokens, V3
 3.31 / 4.30 / 3.97 / 3.18x, Qwen3 2.38 / 3.92 / 3.65 / 2.64x. `--new-tokens 8` gives the old figure.
+2026-12-03, after Qwen3's q/k norms moved into rope_store_kv and the expert / panel GEMM changes of that
+day (best of 3): V3 2.76 / 4.04 / 4.46 / 3.35x, Qwen3 3.09 / 3.97 / 3.93 / 2.73x (same day before them,
+Qwen3 at batch 128: 2.45-2.54x).
 
 Grouped GEMM: one MoE layer's routed experts (the kernel the engine runs them with) on
 `--gemm-tokens` routed tokens, in GFLOP/s, against dense GEMMs of the same K and N (one expert's
