@@ -8,16 +8,12 @@
  * (batch-invariant).
  *
  * Qwen3's per-head RMSNorm of q and k (qn, kn: [D] weights, NULL when the model has none) runs in the
- * same pass, before the rotation, with rmsnorm.c's arithmetic (the same bits as di_add_rmsnorm_f32 on
- * each head). Why: on the Qwen3-MoE benchmark model (benchmarks/moe.py, batch 128) the torch path
- * (two norm calls, then x * cos + roll(x) * sin on q and on k, then the cache write) took 0.41 s of a
+ * same pass, before the rotation, by rmsnorm.c's di_add_rmsnorm_f32 on each head. Why: on the
+ * Qwen3-MoE benchmark model (benchmarks/moe.py, batch 128) the torch path (two norm calls, then x * cos + roll(x) * sin on q and on k, then the cache write) took 0.41 s of a
  * 7.7 s run, 5%, nearly all fixed per-op costs.
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-#include "vec16.h"
 
 static void rotate(const float *x, const float *c, const float *s, int64_t D, float *out) {
     const int64_t half = D / 2;
@@ -25,11 +21,9 @@ static void rotate(const float *x, const float *c, const float *s, int64_t D, fl
     for (int64_t i = half; i < D; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-/* x * w / sqrt(mean(x^2) + eps) over one head: rmsnorm.c's row, expression for expression */
-static void norm_head(const float *x, const float *w, float eps, int64_t D, float *out) {
-    const float inv = 1.f / sqrtf(dot_lanes(x, x, D) / (float)D + eps);
-    for (int64_t j = 0; j < D; ++j) out[j] = x[j] * inv * w[j];
-}
+/* rmsnorm.c: one row (M = 1) runs serially, so it is safe inside this file's parallel loop */
+int di_add_rmsnorm_f32(const float *x, const float *residual, const float *w, float eps, float *out,
+                       float *res_out, int64_t M, int64_t D);
 
 /* fp32 -> bf16, rounded to nearest even, any NaN -> 0xFFFF: what torch's tensor conversion
  * (Tensor.to(torch.bfloat16), vectorised on CPU) gives, bit for bit, so a cache written here and one
@@ -67,7 +61,7 @@ static inline __attribute__((always_inline)) int rope_store_kv(const int BF, con
         for (int64_t h = 0; h < H; ++h) {
             const float *qh = x + h * D;
             if (qn) {
-                norm_head(qh, qn, eps, D, normed);
+                di_add_rmsnorm_f32(qh, 0, qn, eps, normed, 0, 1, D);
                 qh = normed;
             }
             rotate(qh, c, s, D, q_out + (t * H + h) * D);
@@ -81,7 +75,7 @@ static inline __attribute__((always_inline)) int rope_store_kv(const int BF, con
         for (int64_t h = 0; h < Hkv; ++h) {
             const float *kh = x + (H + h) * D;
             if (kn) {
-                norm_head(kh, kn, eps, D, normed);
+                di_add_rmsnorm_f32(kh, 0, kn, eps, normed, 0, 1, D);
                 kh = normed;
             }
             rotate(kh, c, s, D, kr);
