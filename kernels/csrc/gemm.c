@@ -91,11 +91,8 @@ static inline v16 wload16(const float *p) { return load16(p); }
 
 #include "panel_tile.h"
 
-#ifndef GEMM_PF_NEXT
-#define GEMM_PF_NEXT 1
-#endif
 /* One cache line of pf (NULL: none) every 4 k steps, into L2: a tile's share of the next panel (see di_gemm) */
-#define PF_NEXT(k) do { if (GEMM_PF_NEXT && pf && ((k) & 3) == 0) __builtin_prefetch(pf + ((k) >> 2) * 64, 0, 1); } while (0)
+#define PF_NEXT(k) do { if (pf && ((k) & 3) == 0) __builtin_prefetch(pf + ((k) >> 2) * 64, 0, 1); } while (0)
 
 /* acc[r][0..2] = x[r, :] . panel (all k, in order) */
 static inline __attribute__((always_inline)) void panel_tile(const int mr, const float *x, int64_t ldx,

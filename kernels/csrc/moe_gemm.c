@@ -83,9 +83,7 @@ typedef float wt_t;
  * memory operands): at 24, an expert of 25-30 rows (~6% of them at batch 128 in benchmarks/moe.py's
  * models) took two passes over each panel. 30 vs 24, builds alternating in the engine, batch 128,
  * paired median of 6: Qwen3-MoE-shaped 1.04x, V3-shaped 1.03x tokens/s. */
-#ifndef MT
 #define MT 30
-#endif
 #else
 #define VW 8
 #define MR 4
@@ -357,9 +355,6 @@ static inline __attribute__((always_inline)) void down_tile(const int m, const f
 #if MT == 30
 #define TILE_CASES(X) X(30) X(29) X(28) X(27) X(26) X(25) X(24) X(23) X(22) X(21) X(20) X(19) X(18) X(17) X(16) \
                       X(15) X(14) X(13) X(12) X(11) X(10) X(9) X(8) X(7) X(6) X(5) X(4) X(3) X(2)
-#elif MT == 24
-#define TILE_CASES(X) X(24) X(23) X(22) X(21) X(20) X(19) X(18) X(17) X(16) X(15) X(14) X(13) \
-                      X(12) X(11) X(10) X(9) X(8) X(7) X(6) X(5) X(4) X(3) X(2)
 #else
 #define TILE_CASES(X) X(12) X(11) X(10) X(9) X(8) X(7) X(6) X(5) X(4) X(3) X(2)
 #endif
