@@ -3,7 +3,8 @@
  * W is packed once at load into panels of NR = 48 output columns: panel p holds W[48p .. 48p+48, :]
  * transposed, [K][48], zero-padded past N. A tile of up to MR = 8 rows of x times one panel keeps its
  * 8 x 48 sums in 24 vector registers while the panel streams through once per tile; threads split
- * the panels. Against oneDNN's prepacked GEMM on SmolLM2's shapes with the weights coming from
+ * the (panel, row tile) items in contiguous blocks, each tile prefetching its share of the next
+ * panel. Against oneDNN's prepacked GEMM on SmolLM2's shapes with the weights coming from
  * memory (2-core AVX-512, benchmarks/kernels.py): 1.4-2.2x at 1 row, 1.1-1.5x at 4, 1.1-1.25x
  * at 32, 1.0-1.2x at 128 and about equal at prefill sizes.
  *
