@@ -122,9 +122,10 @@ def test_add_rmsnorm_matches_torch_and_is_row_invariant():
         native.add_rmsnorm(x, r, torch.ones(5), 1e-5)
 
 
-@pytest.mark.parametrize("n,k", [(96, 64), (100, 70), (49, 33), (1536, 576)])
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 70), (49, 33), (1536, 576), (32, 256)])
 def test_linear_matches_f_linear_and_rows_do_not_depend_on_the_batch(n, k):
-    # N not a multiple of the 48-column panel exercises the padded last panel
+    # N not a multiple of the 48-column panel exercises the padded last panel; N = 32 (one panel, an
+    # MoE router's shape) has the threads split that panel's row tiles
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     pw = native.pack_weight(w)
