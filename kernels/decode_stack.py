@@ -1,9 +1,11 @@
-"""The native decode stack (csrc/decode_stack.c): every decoder layer of a dense Llama / Qwen2 model
-for a batch of few query tokens (up to `max_rows`: decodes, drafts to verify, short prefill chunks;
-one row per token, attending to its own position's prefix) in one C call, on GGUF block weights as
-stored (`quant.QuantWeight`), fp32 activations and KV cache.
+"""The native decode stack (csrc/decode_stack.c): every decoder layer of a Llama / Qwen2 / Qwen3 model,
+dense or with Qwen-style MoE layers, for a batch of few query tokens (up to `max_rows`: decodes, drafts
+to verify, short prefill chunks; one row per token, attending to its own position's prefix) in one C
+call, on GGUF block weights as stored (`quant.QuantWeight`) or packed panels (`native.PackedWeight`),
+fp32 activations and KV cache. An MoE layer (`StackMoe`) is its router's panels, the routing's
+arguments and the experts' stacks (`moe_gemm.PackedExperts`), run as MoeBlock runs them.
 
-It calls the kernels the per-op path calls (quant's row kernels in the exact or int8 mode; from 16
+It calls the kernels the per-op path calls (the panel GEMMs; quant's row kernels in the exact or int8 mode; from 16
 rows the int8 mode's outer kernel (the int8 row kernel's bits) or the exact mode's `many` kernel
 (panel, outer or bf16: the one QuantLinear picks), the native RMSNorm, rotary + KV store, token
 attention, silu * mul) with the same arguments in the same order, so its hidden states are
@@ -21,23 +23,30 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native, quant
+from . import moe_gemm, moe_route, native, quant
 from .errors import KernelInputError
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _W = _i64 * 5
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("router", _W), ("score_bias", _ptr), ("gate_up", _ptr), ("down", _ptr)] + [
+        (n, _i64) for n in ("experts", "top_k", "inter", "kind", "scoring", "n_group", "topk_group", "group_score",
+                            "norm")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr),
-                ("qkv", _W), ("o", _W), ("gate_up", _W), ("down", _W)]
+                ("qkv", _W), ("o", _W), ("gate_up", _W), ("down", _W), ("moe", ctypes.POINTER(_Moe))]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "slots",
                                     "block_size", "positions", "mode", "max_rows", "many", "panel_m",
-                                    "outer_rows", "outer_rows_q4", "kv_bf16")] + [
+                                    "outer_rows", "outer_rows_q4", "kv_bf16", "moe_experts", "moe_top_k",
+                                    "moe_inter")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)), ("work", _ptr)]
 
@@ -48,6 +57,14 @@ _MODES = {"exact": 0, "int8": 1}
 # the exact mode's kernel from quant.PANEL_M rows, as QuantLinear picks it: "panel" (the row kernel's
 # bits: qlinear(mode="exact"), the batch-invariant mode), "outer" (qlinear_outer), "bf16" (qlinear_bf16)
 _MANY = {"panel": 0, "outer": 1, "bf16": 2}
+# packed panels' kernels (csrc/decode_stack.c's DS_PANEL_*), as native._gemm picks them
+_PANELS = {torch.float32: 100, torch.bfloat16: 101, torch.float16: 102}
+_PANEL_BF16_DOT = 103
+# the routed experts' kernel (DS_EXPERTS_*), as moe_gemm.moe_experts picks it
+_EXPERTS = {torch.float32: 0, torch.bfloat16: 1}
+_EXPERTS_BF16_DOT = 2
+
+Projection = quant.QuantWeight | native.PackedWeight
 
 
 def _configure(lib) -> None:
@@ -62,21 +79,58 @@ def _lib():
 
 
 @dataclass(frozen=True)
+class StackMoe:
+    """An MoE layer without a shared expert (models/moe.py's MoeBlock): the router's panels (E outputs,
+    fp32 logits), `moe_route.route`'s arguments, and the routed experts packed for `moe_gemm.moe_experts`
+    (slots combined in its call, as MoeBlock.forward runs them). router None: a dense gated MLP packed
+    as one expert (expert_kernels.NativeGatedMlp), every row to it, top_k 1, nothing combined."""
+
+    router: native.PackedWeight | None
+    experts: moe_gemm.PackedExperts
+    top_k: int
+    scoring: str = "softmax"
+    score_bias: torch.Tensor | None = None  # [E] fp32, for choosing only
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    norm: bool = False
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class StackLayer:
-    """One decoder layer's tensors: norms [hidden] fp32, projections as blocks (q|k|v and gate|up
-    fused as row concatenations), the q|k|v bias or None, its K and V caches [slots, Hkv, D] (fp32, or all bf16)."""
+    """One decoder layer's tensors: norms [hidden] fp32, projections as blocks or packed panels (q|k|v
+    and gate|up fused as row concatenations; gate|up panels packed gated), the q|k|v bias or None, its
+    K and V caches [slots, Hkv, D] (fp32, or all bf16). An MoE layer gives `moe` instead of gate_up / down."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: quant.QuantWeight
+    qkv: Projection
     qkv_bias: torch.Tensor | None
-    o: quant.QuantWeight
-    gate_up: quant.QuantWeight
-    down: quant.QuantWeight
+    o: Projection
+    gate_up: Projection | None
+    down: Projection | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weights of q and k (Qwen3): both or neither
     k_norm: torch.Tensor | None = None
+    moe: StackMoe | None = None
+
+
+def _shape(w: Projection) -> tuple[int, int]:
+    if isinstance(w, native.PackedWeight):
+        return (2 * w.n if w.gated else w.n, w.k)
+    return tuple(w.shape)
+
+
+def _bind_weight(c: ctypes.Array, w: Projection) -> torch.Tensor:
+    """Fill a di_ds_weight; returns the tensor whose address it holds."""
+    if isinstance(w, native.PackedWeight):
+        fmt = _PANEL_BF16_DOT if w.bf16_dot else _PANELS[w.panels.dtype]
+        c[:] = (w.panels.data_ptr(), int(w.gated), fmt, w.n, w.k)
+        return w.panels
+    c[:] = (w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k)
+    return w.data
 
 
 def _dense(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
@@ -109,7 +163,9 @@ class DecodeStack:
         slots, kv_heads, head_dim = first.k_cache.shape
         if first.k_cache.dtype not in native.KV_DTYPES:
             raise KernelInputError(f"DecodeStack: the KV caches must be float32 or bfloat16, got {first.k_cache.dtype}")
-        hidden, inter = first.o.n, first.down.k
+        hidden = first.o.n
+        inter = max((ly.down.k for ly in layers if ly.moe is None and ly.down is not None), default=0)
+        moes = [ly.moe for ly in layers if ly.moe is not None]
         if num_heads % kv_heads or head_dim % 2:
             raise KernelInputError(f"DecodeStack: {num_heads} heads do not fit {kv_heads} KV heads of dim {head_dim}")
         qkv_n = (num_heads + 2 * kv_heads) * head_dim
@@ -124,17 +180,22 @@ class DecodeStack:
             _dense(f"layer {i} post_norm", ly.post_norm, (hidden,))
             for name in ("k_cache", "v_cache"):  # all fp32 or all bf16
                 _dense(f"layer {i} {name}", getattr(ly, name), (slots, kv_heads, head_dim), first.k_cache.dtype)
-            want = {"qkv": (qkv_n, hidden), "o": (hidden, num_heads * head_dim), "gate_up": (2 * inter, hidden),
-                    "down": (hidden, inter)}
+            want = {"qkv": (qkv_n, hidden), "o": (hidden, num_heads * head_dim)}
+            if ly.moe is None:
+                want.update(gate_up=(2 * inter, hidden), down=(hidden, inter))
             c = self._layers[i]
             for name, shape in want.items():
                 w = getattr(ly, name)
-                if w.shape != shape:
-                    raise KernelInputError(f"DecodeStack: layer {i} {name} is {w.shape}, expected {shape}")
-                if mode == "int8" and w.k % quant.QK:
+                if w is None or _shape(w) != shape:
+                    raise KernelInputError(f"DecodeStack: layer {i} {name} is "
+                                           f"{None if w is None else _shape(w)}, expected {shape}")
+                if isinstance(w, native.PackedWeight) and w.gated != (name == "gate_up"):
+                    raise KernelInputError(f"DecodeStack: layer {i} {name}: panels packed {'' if w.gated else 'not '}gated")
+                if mode == "int8" and isinstance(w, quant.QuantWeight) and w.k % quant.QK:
                     raise KernelInputError(f"DecodeStack: layer {i} {name}: K = {w.k} is not a multiple of {quant.QK}")
-                getattr(c, name)[:] = (w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k)
-                self._keep.append(w.data)
+                self._keep.append(_bind_weight(getattr(c, name), w))
+            if ly.moe is not None:
+                c.moe = ctypes.pointer(self._bind_moe(i, ly.moe, hidden))
             if ly.qkv_bias is not None:
                 _dense(f"layer {i} qkv_bias", ly.qkv_bias, (qkv_n,))
                 c.qkv_bias = ly.qkv_bias.data_ptr()
@@ -151,7 +212,10 @@ class DecodeStack:
                                  head_dim=head_dim, inter=inter, slots=slots, block_size=block_size,
                                  positions=positions, mode=_MODES[mode], max_rows=max_rows, many=_MANY[many],
                                  panel_m=quant.PANEL_M, outer_rows=int8_outer_rows[0], outer_rows_q4=int8_outer_rows[1],
-                                 kv_bf16=int(first.k_cache.dtype == torch.bfloat16), eps=eps,
+                                 kv_bf16=int(first.k_cache.dtype == torch.bfloat16),
+                                 moe_experts=max((e.experts.num_experts for e in moes), default=0),
+                                 moe_top_k=max((e.top_k for e in moes), default=0),
+                                 moe_inter=max((e.experts.inter for e in moes), default=0), eps=eps,
                                  scale=head_dim**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
                                  final_norm=final_norm.data_ptr(), layers=self._layers)
         self._work = torch.empty(lib.di_decode_stack_work_bytes(ctypes.byref(m)), dtype=torch.uint8)
@@ -159,6 +223,32 @@ class DecodeStack:
         self._ref = ctypes.byref(m)
         self._call = lib.di_decode_stack
         self.num_layers, self.hidden, self.max_rows, self.mode, self.many = len(layers), hidden, max_rows, mode, many
+
+    def _bind_moe(self, i: int, e: StackMoe, hidden: int) -> _Moe:
+        p, r = e.experts, e.router
+        E = p.num_experts
+        if r is None and (E, e.top_k) != (1, 1):
+            raise KernelInputError(f"DecodeStack: layer {i}: a dense MLP on the expert kernel is one expert, "
+                                   f"top_k 1; got {E} experts, top_k {e.top_k}")
+        if p.hidden != hidden or (r is not None and (r.gated or (r.n, r.k) != (E, hidden))):
+            raise KernelInputError(f"DecodeStack: layer {i} MoE: router {None if r is None else [r.n, r.k]} and "
+                                   f"experts [{E} x {p.inter} x {p.hidden}] do not fit hidden {hidden}")
+        if e.scoring not in moe_route.SCORINGS or e.group_score not in moe_route.GROUP_SCORES:
+            raise KernelInputError(f"DecodeStack: layer {i} MoE: scoring {e.scoring!r} / group score {e.group_score!r}")
+        if not 0 < e.top_k <= E or e.n_group < 1 or E % e.n_group or not 0 < e.topk_group <= e.n_group:
+            raise KernelInputError(f"DecodeStack: layer {i} MoE: top_k={e.top_k}, n_group={e.n_group}, "
+                                   f"topk_group={e.topk_group} do not fit {E} experts")
+        if e.score_bias is not None:
+            _dense(f"layer {i} score_bias", e.score_bias, (E,))
+        c = _Moe(experts=E, top_k=e.top_k, inter=p.inter,
+                 kind=_EXPERTS_BF16_DOT if p.bf16_dot else _EXPERTS[p.weights],
+                 scoring=moe_route.SCORINGS.index(e.scoring), n_group=e.n_group, topk_group=e.topk_group,
+                 group_score=moe_route.GROUP_SCORES.index(e.group_score), norm=int(e.norm),
+                 eps=1e-20 if e.scoring == "sigmoid" else 0.0, scale=float(e.scale),  # (moe_route.route's eps)
+                 gate_up=p.gate_up.data_ptr(), down=p.down.data_ptr(),
+                 score_bias=e.score_bias.data_ptr() if e.score_bias is not None else None)
+        self._keep += [_bind_weight(c.router, r) if r is not None else None, p.gate_up, p.down, e.score_bias, c]
+        return c
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                  num_layers: int | None = None) -> torch.Tensor:

@@ -142,9 +142,12 @@ class ModelRunner:
         self._select_kernels()
         if config.batch_invariant:
             self._use_batch_invariant_ops()
-        # decode-only steps of few rows through one native call (native_decode.py), when it binds
+        # decode-only steps of few rows through one native call (native_decode.py), when it binds: GGUF
+        # blocks, or the native panel GEMM (fp32 / 16-bit checkpoints, dense or Qwen-style MoE)
         self.decode_stack = None
-        if self.token_attention is not None and quant_mode and self.num_mtp_layers == 0 and not self.use_graphs:
+        native_panels = getattr(self.linear, "backend", None) == "native"
+        if (self.token_attention is not None and (quant_mode or native_panels) and self.num_mtp_layers == 0
+                and not self.use_graphs):
             from deepinfer.engine.native_decode import bind_decode_stack
 
             self.decode_stack = bind_decode_stack(self.model, self.linear, self.kv_caches, self.block_size,

@@ -1,32 +1,46 @@
-"""The native decode stack for a model on GGUF block weights (deepinfer_kernels.decode_stack): which
-models it binds, and binding it.
+"""The native decode stack (deepinfer_kernels.decode_stack) for a model on GGUF block weights or on
+the native panel GEMM (fp32 / 16-bit checkpoints): which models it binds, and binding it.
 
 A step of few query tokens (decodes, drafts to verify, short prefill chunks; up to max_num_seqs
 rows, or fewer than quant.PANEL_M where the CPU lacks AVX2 in the exact modes) runs every decoder
 layer in one C call instead of ~10 Python-driven ops per layer (ModelRunner._forward), with the same kernels in the same order:
 the same bits as the per-op path, so the batch-invariant mode holds through it. Bound only for the
-plain dense decoder (Llama, Qwen2, Qwen3: GQA attention with rotate-half rope, optional q|k|v bias,
-optional per-head q/k RMSNorm, gated MLP) whose every projection has blocks and whose norms, rotary +
-KV store and attention are the native kernels; anything else (MoE, MLA, fp32 projections) keeps the
-per-op path.
+plain decoder (Llama, Qwen2, Qwen3: GQA attention with rotate-half rope, optional q|k|v bias, optional
+per-head q/k RMSNorm) whose every projection has blocks (QuantLinear) or native panels (CpuLinear's
+native backend) and whose norms, rotary + KV store and attention are the native kernels; each MLP a
+gated MLP on those projections or (panels) an MoE block without a shared expert, routed and run by
+the native kernels (Qwen3-MoE). Anything else (MLA, shared experts, expert parallelism, oneDNN or
+F.linear projections) keeps the per-op path.
+
+Why for MoE models: at a batch-128 decode step of benchmarks/moe.py's Qwen3-MoE-shaped model the
+per-op path spent ~13 of ~90 ms in Python between the kernels (ctypes calls, checks, allocations;
+~1 ms per layer), each op slowed 3-30x by running right after a kernel that streamed ~100 MB of
+expert weights through the caches (measured: a 20-iteration Python loop 0.6 us back to back, 18 us
+after such a stream).
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer.engine.cpu_linear import CpuLinear
+from deepinfer.engine.expert_kernels import NativeExperts, NativeGatedMlp
 from deepinfer.engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, GatedMLP, RMSNorm
+from deepinfer.engine.models.moe import MoeBlock
 from deepinfer.engine.quant_linear import BF16_M, INT8_OUTER_M, INT8_OUTER_M_Q4, OUTER_M, QuantLinear
-from deepinfer_kernels import native, quant
-from deepinfer_kernels.decode_stack import DecodeStack, StackLayer
+from deepinfer_kernels import moe_gemm, moe_route, native, quant
+from deepinfer_kernels.decode_stack import DecodeStack, StackLayer, StackMoe
 
 
-def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      block_size: int, max_seqs: int = 1) -> DecodeStack | None:
+def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear | CpuLinear,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                      max_seqs: int = 1) -> DecodeStack | None:
     """The stack over `model`'s layers and caches, or None when the model is not one it computes
     exactly as the per-op path does (see the module docstring). It takes steps of up to max_seqs rows
     (see `stack_kernels`)."""
-    if not isinstance(linear, QuantLinear) or type(model).forward is not DecoderForCausalLM.forward:
+    blocks = isinstance(linear, QuantLinear)
+    panels = isinstance(linear, CpuLinear) and linear.backend == "native"
+    if not (blocks or panels) or type(model).forward is not DecoderForCausalLM.forward:
         return None
     if type(model).embed is not DecoderForCausalLM.embed or len(kv_caches) != len(model.layers) or not kv_caches:
         return None
@@ -36,24 +50,69 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear, kv_caches:
     rot = model.rotary
     if rot.cos.dtype != torch.float32 or not rot.cos.is_contiguous() or not rot.sin.is_contiguous():
         return None
+
+    def weight(w: torch.Tensor, gated: bool = False):
+        """w's blocks or panels, as the per-op path projects it (meta.linear / meta.silu_mul), or None"""
+        if blocks:
+            return linear.table.get(w.data_ptr())
+        return (linear.packed_gated if gated else linear.packed).get(w.data_ptr())
+
+    if any(len(kv) != 2 for kv in kv_caches):
+        return None  # not per-head K and V (MLA's latent cache)
     layers = []
     for layer, (kc, vc) in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not GatedMLP
-                or len(attn.kernels) or mlp.kernel is not None or attn.rotary is not rot
-                or attn.scale != attn.head_dim**-0.5):
+        if (type(layer) is not DecoderLayer or type(attn) is not Attention or len(attn.kernels)
+                or attn.rotary is not rot or attn.scale != attn.head_dim**-0.5):
             return None
-        blocks = [linear.table.get(w.data_ptr()) for w in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight,
-                                                          mlp.down_weight)]
-        if any(b is None for b in blocks):
-            return None  # a projection without blocks (fp32 through F.linear)
+        moe = None
+        if type(mlp) is GatedMLP and mlp.kernel is None:
+            mlp_weights = [weight(mlp.gate_up_weight, gated=panels), weight(mlp.down_weight)]
+        elif panels and type(mlp) is GatedMLP and _one_expert(mlp.kernel):  # an MoE model's dense layer
+            moe, mlp_weights = StackMoe(None, mlp.kernel._packed, 1), [None, None]
+        elif panels and type(mlp) is MoeBlock:
+            moe, mlp_weights = _moe(mlp, weight), [None, None]
+            if moe is None:
+                return None
+        else:
+            return None
+        proj = [weight(attn.qkv_weight), weight(attn.o_weight)]
+        if any(w is None for w in proj) or (moe is None and any(w is None for w in mlp_weights)):
+            return None  # a projection without blocks or panels (through F.linear)
         bias = attn.qkv_bias.data if attn.qkv_bias is not None else None
         norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if attn.q_norm is not None else (None, None)
         layers.append(StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                 blocks[0], bias, blocks[1], blocks[2], blocks[3], kc, vc, *norms))
+                                 proj[0], bias, proj[1], *mlp_weights, kc, vc, *norms, moe=moe))
+    if panels:  # (the panel GEMMs take any row count with the same bits)
+        return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps,
+                           model.layers[0].self_attn.n_heads, block_size, "exact", max(max_seqs, 1))
     rows, many = stack_kernels(linear, max_seqs)
     return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps, model.layers[0].self_attn.n_heads,
                        block_size, linear.row_mode, rows, many, (INT8_OUTER_M, INT8_OUTER_M_Q4))
+
+
+def _one_expert(kernel) -> bool:
+    """kernel: expert_kernels.NativeGatedMlp over one expert (its forward: every row to it, no combine)"""
+    return (type(kernel) is NativeGatedMlp and kernel._kernel is moe_gemm.moe_experts
+            and kernel._packed.num_experts == 1)
+
+
+def _moe(block: MoeBlock, weight) -> StackMoe | None:
+    """The stack's view of an MoE block that MoeBlock.forward runs as router panels -> moe_route.route ->
+    one native experts call with the slot combine (no shared expert, all experts local), else None."""
+    kernel, m = block.expert_kernel, block.moe
+    if (type(block).forward is not MoeBlock.forward or type(block).route is not MoeBlock.route
+            or block.dispatcher is not None or block.shared is not None or block._global_to_local is not None
+            or block.router_kernel is not None or block.route_kernel is not moe_route.route
+            or type(kernel) is not NativeExperts or kernel._kernel is not moe_gemm.moe_experts
+            or block.gate_weight.dtype != torch.float32):
+        return None
+    router = weight(block.gate_weight)
+    if router is None:
+        return None
+    bias = block.score_bias.data if block.score_bias is not None else None
+    return StackMoe(router, kernel._packed, m.top_k, m.scoring, bias, m.n_group, m.topk_group, m.group_score,
+                    bool(m.norm_topk_prob), float(m.routed_scaling_factor))
 
 
 def stack_kernels(linear: QuantLinear, max_seqs: int) -> tuple[int, str]:

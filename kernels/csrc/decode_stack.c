@@ -1,10 +1,13 @@
-/* Every decoder layer of a dense Llama / Qwen2 model for a batch of M query tokens (decodes, drafts
- * to verify, short prefill chunks: row t attends to positions 0..pos[t] of its sequence) in one call,
- * weights as GGUF blocks (csrc/qgemm.c), fp32 activations, the KV cache in fp32 or bf16.
+/* Every decoder layer of a Llama / Qwen2 / Qwen3 model, dense or with Qwen-style MoE layers, for a
+ * batch of M query tokens (decodes, drafts to verify, short prefill chunks: row t attends to positions
+ * 0..pos[t] of its sequence) in one call, fp32 activations, the KV cache in fp32 or bf16. Weights as
+ * GGUF blocks (csrc/qgemm.c) or as packed panels (csrc/gemm.c: fp32, bf16, fp16 or bf16 dot products);
+ * an MoE layer's experts as moe_gemm.c / gemm_bf16dot.c stacks.
  *
  * Per layer: add + RMSNorm, q|k|v projection (+ bias), rotary + KV-cache store, attention over the
- * paged cache, o projection, add + RMSNorm, gate|up projection, silu * mul, down projection; then the
- * final add + RMSNorm. Each op is the C kernel the per-op path (deepinfer/engine/models/layers.py
+ * paged cache, o projection, add + RMSNorm, then the MLP: gate|up projection, silu * mul (in the GEMM
+ * for gated panels), down projection; or an MoE layer's router projection, routing (moe_route.c) and
+ * the routed experts with their slot combine (one grouped call); then the final add + RMSNorm. Each op is the C kernel the per-op path (deepinfer/engine/models/layers.py
  * through the ctypes wrappers) calls, with the same arguments in the same order, so the result is
  * bit-identical to that path in the same mode; what this saves is the Python between the ops (a
  * ctypes call, checks and a torch allocation each: ~17 us per op on this host against 1.5 us for the
@@ -40,16 +43,53 @@ int di_token_attention_bf16(const float *q, int64_t q_st, int64_t q_sh, const ui
                             float *out, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_len,
                             float scale);
 int di_silu_mul_f32(const float *gu, int64_t ldg, int64_t M, int64_t I, float *out);
+/* the panel GEMMs (gemm.c and its 16-bit builds, gemm_bf16dot.c), the MoE router and experts */
+int di_gemm_f32(const float *x, int64_t ldx, int64_t M, const float *wp, int64_t K, int64_t N, int gated,
+                const float *bias, float *y, int64_t ldy);
+int di_gemm_bf16(const float *x, int64_t ldx, int64_t M, const uint16_t *wp, int64_t K, int64_t N, int gated,
+                 const float *bias, float *y, int64_t ldy);
+int di_gemm_f16(const float *x, int64_t ldx, int64_t M, const uint16_t *wp, int64_t K, int64_t N, int gated,
+                const float *bias, float *y, int64_t ldy);
+int di_gemm_bf16dot(const float *x, int64_t ldx, int64_t M, const uint16_t *wp, int64_t K, int64_t N, int gated,
+                    const float *bias, float *y, int64_t ldy);
+int di_moe_route_f32(const float *logits, int64_t lde, int64_t T, int64_t E, const float *bias, int scoring,
+                     int64_t n_group, int64_t topk_group, int group_score, int64_t top_k, int norm, float eps,
+                     float scale, float *w_out, int64_t *idx_out);
+#define DS_EXPERTS_ARGS(wt)                                                                                  \
+    const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *idx, int64_t E, const wt *gu,         \
+        const wt *down, int64_t xE, const wt *xgu, const wt *xdown, int64_t H, int64_t I, float *h, float *y, \
+        int64_t ldy, const float *wts, const float *add, int64_t ldadd, float *out, int64_t ldo
+int di_moe_experts_f32(DS_EXPERTS_ARGS(float));
+int di_moe_experts_bf16(DS_EXPERTS_ARGS(uint16_t));
+int di_moe_experts_bf16dot(DS_EXPERTS_ARGS(uint16_t));
 
-/* a projection's bound arguments, as quant.RowKernel binds them: {W's address, row bytes, format, N, K} */
+/* a projection's bound arguments: GGUF blocks as quant.RowKernel binds them, {W's address, row bytes,
+ * format, N, K}; or packed panels (native.PackedWeight), {panels' address, gated, DS_PANEL_*, N, K},
+ * the call native.linear / gated_linear makes (gated: silu(gate) * up, N of each half) */
 typedef int64_t di_ds_weight[5];
+enum { DS_PANEL_F32 = 100, DS_PANEL_BF16 = 101, DS_PANEL_F16 = 102, DS_PANEL_BF16DOT = 103 };
+
+/* an MoE layer (models/moe.py's MoeBlock without a shared expert): the router's panels (E outputs)
+ * and moe_route.route's arguments; the routed experts as moe_gemm.PackedExperts holds them. Or, with
+ * no router (all zeros), a dense gated MLP on the same kernel as one expert (NativeGatedMlp). */
+enum { DS_EXPERTS_F32 = 0, DS_EXPERTS_BF16 = 1, DS_EXPERTS_BF16DOT = 2 };
+typedef struct {
+    di_ds_weight router;
+    const float *score_bias;       /* [E] (choosing only), or NULL */
+    const void *gate_up, *down;    /* the experts' stacks */
+    int64_t experts, top_k, inter; /* E, k, the experts' intermediate size */
+    int64_t kind;                  /* DS_EXPERTS_*: the kernel (the stacks' storage) */
+    int64_t scoring, n_group, topk_group, group_score, norm;
+    float eps, scale;
+} di_ds_moe;
 
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden] */
     const float *qkv_bias;            /* [(H + 2 Hkv) D], or NULL */
     const float *q_norm, *k_norm;     /* [D] per-head RMSNorm weights of q and k (Qwen3), or both NULL */
     void *k_cache, *v_cache;          /* [slots, Hkv, D] contiguous, fp32 or (kv_bf16) bf16 */
-    di_ds_weight qkv, o, gate_up, down;
+    di_ds_weight qkv, o, gate_up, down; /* (gate_up, down unused in an MoE layer) */
+    const di_ds_moe *moe;               /* the MLP is this MoE block, or NULL */
 } di_ds_layer;
 
 typedef struct {
@@ -63,6 +103,7 @@ typedef struct {
     int64_t panel_m;    /* quant.PANEL_M: the exact mode's row kernel stops below it */
     int64_t outer_rows, outer_rows_q4; /* the int8 mode's vpdpbusd kernel from these rows (Q8_0 / Q4_x) */
     int64_t kv_bf16;                   /* the caches hold bf16 (the *_bf16 kernels) */
+    int64_t moe_experts, moe_top_k, moe_inter; /* the MoE layers' largest E, k and intermediate size (0: none) */
     float eps, scale;
     const float *cos, *sin; /* [positions, head_dim], sin carrying rotate_half's sign */
     const float *final_norm;
@@ -81,8 +122,8 @@ static int64_t kmax(const di_ds_model *m) {
 
 /* the scratch, carved in this order, each part 64-byte aligned */
 typedef struct {
-    float *res, *h, *x, *qkv, *q, *att, *gu, *act, *cs, *sn, *xs, *xsum;
-    int64_t *lens, *rowid;
+    float *res, *h, *x, *qkv, *q, *att, *gu, *act, *cs, *sn, *xs, *xsum, *logits, *rw, *mh, *my;
+    int64_t *lens, *rowid, *ridx;
     int8_t *qx;
 } scratch;
 
@@ -107,8 +148,13 @@ static size_t carve(const di_ds_model *m, char *base, scratch *s) {
     TAKE(sn, float, R * D);
     TAKE(xs, float, R * (K / QK));
     TAKE(xsum, float, R * (K / QK));
+    TAKE(logits, float, R * m->moe_experts);
+    TAKE(rw, float, R * m->moe_top_k);
+    TAKE(mh, float, R * m->moe_top_k * m->moe_inter);
+    TAKE(my, float, R * m->moe_top_k * m->hidden);
     TAKE(lens, int64_t, R);
     TAKE(rowid, int64_t, R);
+    TAKE(ridx, int64_t, R * m->moe_top_k);
     TAKE(qx, int8_t, R * K);
 #undef TAKE
     return off;
@@ -146,13 +192,29 @@ static int project_exact(const di_ds_model *m, const di_ds_weight w, const float
     return di_qgemm(DI_Q_EXACT, 1, x, K, 0, 0, 0, M, wp, rb, fmt, N, K, y, N);
 }
 
-/* y [M, N] = x [M, K] @ W.T (+ bias): QuantLinear's call in this mode (exact: below PANEL_M rows
+/* panels: native._gemm's call (x rows dense, y [M, N]) */
+static int project_panels(const di_ds_weight w, const float *x, int64_t M, const float *bias, float *y) {
+    const void *p = (const void *)(intptr_t)w[0];
+    const int gated = (int)w[1];
+    const int64_t N = w[3], K = w[4];
+    switch (w[2]) {
+    case DS_PANEL_F32: return di_gemm_f32(x, K, M, (const float *)p, K, N, gated, bias, y, N);
+    case DS_PANEL_BF16: return di_gemm_bf16(x, K, M, (const uint16_t *)p, K, N, gated, bias, y, N);
+    case DS_PANEL_F16: return di_gemm_f16(x, K, M, (const uint16_t *)p, K, N, gated, bias, y, N);
+    case DS_PANEL_BF16DOT: return di_gemm_bf16dot(x, K, M, (const uint16_t *)p, K, N, gated, bias, y, N);
+    default: return -1;
+    }
+}
+
+/* y [M, N] = x [M, K] @ W.T (+ bias): packed panels as native.linear computes them, or blocks as
+ * QuantLinear's call in this mode (exact: below PANEL_M rows
  * RowKernel, from there project_exact; int8: qlinear's quantise-then-integer-dot path, level 1, or
  * from outer_rows rows qlinear_int8_outer where it runs) */
 static int project(const di_ds_model *m, const scratch *s, const di_ds_weight w, const float *x, int64_t M,
                    const float *bias, float *y) {
     int rc;
     const int64_t N = w[3], K = w[4];
+    if (w[2] >= DS_PANEL_F32) return project_panels(w, x, M, bias, y) ? DS_KERNEL : DS_OK;
     if (m->mode == DI_Q_EXACT) {
         rc = project_exact(m, w, x, M, y);
     } else if (M >= ((w[2] == FMT_Q4_0 || w[2] == FMT_Q4_1) ? m->outer_rows_q4 : m->outer_rows) &&
@@ -168,6 +230,45 @@ static int project(const di_ds_model *m, const scratch *s, const di_ds_weight w,
         for (int64_t r = 0; r < M; ++r)
             for (int64_t n = 0; n < N; ++n) y[r * N + n] += bias[n];
     return rc ? DS_KERNEL : DS_OK;
+}
+
+/* the experts' grouped call (moe_gemm.moe_experts' arguments): pairs' outputs to y, or with wts their
+ * slot combine to out */
+static int run_experts(const di_ds_model *m, const di_ds_moe *e, const float *x, int64_t M, const int64_t *idx,
+                       float *h, float *y, const float *wts, float *out) {
+    const int64_t hid = m->hidden, k = e->top_k, E = e->experts, I = e->inter;
+    switch (e->kind) {
+    case DS_EXPERTS_F32:
+        return di_moe_experts_f32(x, hid, M, k, idx, E, (const float *)e->gate_up, (const float *)e->down, 0, 0, 0,
+                                  hid, I, h, y, hid, wts, 0, 0, out, hid);
+    case DS_EXPERTS_BF16:
+        return di_moe_experts_bf16(x, hid, M, k, idx, E, (const uint16_t *)e->gate_up, (const uint16_t *)e->down, 0,
+                                   0, 0, hid, I, h, y, hid, wts, 0, 0, out, hid);
+    case DS_EXPERTS_BF16DOT:
+        return di_moe_experts_bf16dot(x, hid, M, k, idx, E, (const uint16_t *)e->gate_up, (const uint16_t *)e->down,
+                                      0, 0, 0, hid, I, h, y, hid, wts, 0, 0, out, hid);
+    default: return -1;
+    }
+}
+
+/* out [M, hidden] = an MoE layer on x: MoeBlock.forward's calls (the router's logits, route, the
+ * experts with the slot combine in one call) with the same arguments. Without a router (router[0] 0):
+ * a dense gated MLP packed as a one-expert stack (expert_kernels.NativeGatedMlp): every row to expert
+ * 0, its output straight to out. */
+static int moe_mlp(const di_ds_model *m, const scratch *s, const di_ds_moe *e, const float *x, int64_t M, float *out) {
+    int rc;
+    if (!e->router[0]) {
+        for (int64_t t = 0; t < M; ++t) s->ridx[t] = 0;
+        rc = run_experts(m, e, x, M, s->ridx, s->mh, out, 0, 0);
+    } else {
+        const int64_t E = e->experts;
+        if (project_panels(e->router, x, M, 0, s->logits)) return DS_KERNEL;
+        if (di_moe_route_f32(s->logits, E, M, E, e->score_bias, (int)e->scoring, e->n_group, e->topk_group,
+                             (int)e->group_score, e->top_k, (int)e->norm, e->eps, e->scale, s->rw, s->ridx))
+            return DS_NO_MEMORY;
+        rc = run_experts(m, e, x, M, s->ridx, s->mh, s->my, s->rw, out);
+    }
+    return rc == -2 ? DS_NO_MEMORY : rc ? DS_KERNEL : DS_OK;
 }
 
 /* x_in [M, hidden]: the token embeddings; pos, slots: int64 [M]; bt: int64 block tables [M, bt_ld];
@@ -229,9 +330,16 @@ int di_decode_stack(const di_ds_model *m, int64_t n_layers, const float *x_in, i
         if ((rc = project(m, &s, ly->o, s.att, M, 0, s.x))) break;
         di_add_rmsnorm_f32(s.x, residual, ly->post_norm, m->eps, s.h, s.res, M, hid);
         residual = s.res;
-        if ((rc = project(m, &s, ly->gate_up, s.h, M, 0, s.gu))) break;
-        di_silu_mul_f32(s.gu, 2 * I, M, I, s.act);
-        rc = project(m, &s, ly->down, s.act, M, 0, s.x);
+        if (ly->moe) {
+            rc = moe_mlp(m, &s, ly->moe, s.h, M, s.x);
+        } else if (ly->gate_up[2] >= DS_PANEL_F32 && ly->gate_up[1]) { /* silu * mul in the GEMM */
+            if ((rc = project(m, &s, ly->gate_up, s.h, M, 0, s.act))) break;
+            rc = project(m, &s, ly->down, s.act, M, 0, s.x);
+        } else {
+            if ((rc = project(m, &s, ly->gate_up, s.h, M, 0, s.gu))) break;
+            di_silu_mul_f32(s.gu, 2 * I, M, I, s.act);
+            rc = project(m, &s, ly->down, s.act, M, 0, s.x);
+        }
     }
     free(idx);
     if (rc) return rc;

@@ -166,6 +166,29 @@ MOE_SWITCH(di_moe_dynamic_on, di_moe_set_dynamic)
 #define SCHEDULE_END
 #endif
 
+/* Which item a thread runs next (-1: none left) of n, in `order` (largest group first). Dynamically
+ * (the default), even threads take items from the front and odd ones from the back: at 16 rows an
+ * expert (batch 128) the tall tile needs ~14 GB/s of weights a core to keep its FMAs busy, about half
+ * of what the two cores can read together, and below that an expert is bound by memory, above it by
+ * the FMAs; taken in one order, both threads ran the large experts together (memory idle) and then the
+ * small ones (FMAs idle). From both ends, one runs a large expert while the other runs a small one.
+ * Measured (Qwen3-MoE-shaped model, batch 128, 2 threads, builds alternating, the bits unchanged):
+ * the layer's experts 1.018x (median of 30 replays of the engine's decode inputs), tokens/s 1.027x
+ * and 1.035x (paired medians of 6). Statically (di_moe_set_dynamic(0)): equal blocks of the items. */
+typedef struct {
+    int64_t claimed, front, back;
+} claims;
+
+static inline int64_t take(claims *c, int64_t n, int tid, int nth, int64_t *cursor) {
+    if (!moe_dynamic) {
+        if (*cursor < 0) *cursor = tid * n / nth;
+        return *cursor < (tid + 1) * n / nth ? (*cursor)++ : -1;
+    }
+    if (__atomic_fetch_add(&c->claimed, 1, __ATOMIC_RELAXED) >= n) return -1; /* (n claims in all) */
+    return tid & 1 ? n - 1 - __atomic_fetch_add(&c->back, 1, __ATOMIC_RELAXED)
+                   : __atomic_fetch_add(&c->front, 1, __ATOMIC_RELAXED);
+}
+
 /* A tall group's items are runs of consecutive panels (about RUN_BYTES of weights, at least
  * RUNS_PER_THREAD runs a thread over all tall groups), so each thread reads a sequential stream.
  * With one panel an item (a down item is 16 KiB at I = 256) the two threads' items interleaved in
@@ -491,13 +514,14 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         chunk0[i + 1] = chunk0[i] + (wide ? (Pi + 2) / 3 : (Pi + run_gu - 1) / run_gu);
         down0[i + 1] = down0[i] + (wide ? (Ph + 2) / 3 : (Ph + run_dn - 1) / run_dn);
     }
+    claims gu_claims = {0, 0, 0}, down_claims = {0, 0, 0};
     SCHEDULE_BEGIN
 #pragma omp parallel if (R * H * I >= 65536)
     {
 #ifdef _OPENMP
-        const int tid = omp_get_thread_num();
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
 #else
-        const int tid = 0;
+        const int tid = 0, nth = 1;
 #endif
         const float **rows = (const float **)(scratch + (size_t)tid * per_thread);
         float *bg = (float *)(scratch + (size_t)tid * per_thread + ptr_bytes);
@@ -522,8 +546,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
             }
         }
-#pragma omp for schedule(runtime)
-        for (int64_t item = 0; item < chunk0[G]; ++item) {
+        for (int64_t cur = -1, item; (item = take(&gu_claims, chunk0[G], tid, nth, &cur)) >= 0;) {
             int64_t i = 0;
             while (chunk0[i + 1] <= item) ++i;  /* (G is at most the expert count) */
             const int64_t g = order[i], q = item - chunk0[i];
@@ -556,9 +579,9 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
             }
         }
-        /* (the implicit barrier of the loop above: every h row is complete here) */
-#pragma omp for schedule(runtime)
-        for (int64_t item = 0; item < down0[G]; ++item) {
+#pragma omp barrier
+        /* (every h row is complete here) */
+        for (int64_t cur = -1, item; (item = take(&down_claims, down0[G], tid, nth, &cur)) >= 0;) {
             int64_t i = 0;
             while (down0[i + 1] <= item) ++i;
             const int64_t g = order[i], q = item - down0[i];
@@ -602,8 +625,9 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
             }
         }
+#pragma omp barrier
         if (wts) {
-            /* (the implicit barrier of the down loop: every y row is complete here) */
+            /* (every y row is complete here) */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) combine_rows(y, ldy, NULL, t, k, wts, add, ldadd, out + t * ldo, H);
         }

@@ -1,6 +1,8 @@
 """The native decode stack (deepinfer_kernels.decode_stack, bound by engine/native_decode.py) against the
-per-op path it replaces for steps of few query tokens (decodes, short prefills, draft verification): the same hidden states, logits and KV-cache contents,
-bit for bit, in the exact and int8 modes, on tiny random-weight models with GGUF block weights."""
+per-op path it replaces for steps of few query tokens (decodes, short prefills, draft verification): the
+same hidden states, logits and KV-cache contents, bit for bit, on tiny random-weight models: with GGUF
+block weights in the exact and int8 modes, and on the native panel GEMM (fp32 and 16-bit checkpoints,
+dense and Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -140,13 +142,143 @@ def test_steps_the_stack_does_not_compute_take_the_per_op_path(tiny_models, mode
                           ).stack_block_tables is not None
 
 
-def test_stack_binds_only_models_it_computes_exactly(tiny_models):
+def test_stack_binds_only_models_it_computes_exactly(tiny_models, moe_models):
     assert _runner(tiny_models["qwen3"], "exact").decode_stack is not None  # q/k norms in rope_store_kv, as per-op
     assert _runner(tiny_models["llama"], "exact", batch_invariant=True).decode_stack is not None
-    loaded = load_model(str(tiny_models["llama"]))
-    fp32 = ModelRunner(EngineConfig(kv_cache_memory=2 << 20), loaded.config, loaded.weights, torch.device("cpu"),
-                       torch.float32)
-    assert fp32.decode_stack is None
+    fp32 = _panel_engine(tiny_models["llama"]).runner
+    assert (fp32.decode_stack is not None) == (fp32.linear.backend == "native")  # (oneDNN's: the per-op path)
+    oned = _panel_engine(tiny_models["llama"], cpu_linear_backend="onednn") if "cpu_linear_backend" in _CFG else None
+    assert oned is None or oned.runner.decode_stack is None
+    # Qwen2-MoE's gated shared expert and DeepSeek-V3's latent attention keep the per-op path
+    for arch in ("qwen2_moe", "deepseek_v3"):
+        assert _panel_engine(moe_models[arch]).runner.decode_stack is None
+
+
+# ---- the panel GEMM (fp32 / 16-bit checkpoints), dense and MoE ------------------------------------
+_CFG = EngineConfig.__dataclass_fields__
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from moe_factory import make_moe_model
+
+    root = tmp_path_factory.mktemp("stack_moe")
+    return {a: make_moe_model(root / a, a, seed=2) for a in ("qwen3_moe", "qwen2_moe", "deepseek_v3")}
+
+
+def _panel_engine(path, **kw):
+    from deepinfer import Engine
+
+    return Engine(str(path), block_size=BS, kv_cache_memory=16 << 20, **kw)
+
+
+def _steps_match(runner, row_counts, seed=5):
+    """prefill max(row_counts) sequences through the per-op path, then decode steps of each row count
+    through both paths (see _same_as_per_op), and an early exit"""
+    rng = torch.Generator().manual_seed(seed)
+    n = max(row_counts)
+    lens = torch.randint(3, 40, (n,), generator=rng).tolist()
+    tables = _tables(rng, n, max(lens) + 1)
+    vocab = runner.model_config.vocab_size
+    _prefill(runner, tables, [torch.randint(0, vocab, (L,), generator=rng).tolist() for L in lens])
+    stack = runner.decode_stack
+    for rows in row_counts:
+        toks = torch.randint(0, vocab, (rows,), generator=rng).tolist()
+        batch = ForwardBatch.build([[t] for t in toks], lens[:rows], tables[:rows], list(range(rows)), BS)
+        _same_as_per_op(runner, batch)
+    runner.decode_stack = None
+    ref1 = runner.forward(runner.prepare(batch), num_layers=1)
+    runner.decode_stack = stack
+    assert torch.equal(runner.forward(runner.prepare(batch), num_layers=1), ref1)
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"batch_invariant": True}),
+                                     ("qwen3", {"dtype": "bfloat16"})],
+                         ids=["llama", "qwen2-bias", "qwen3-qk-norm", "llama-invariant", "qwen3-bf16-dot"])
+def test_panel_stack_is_bitwise_the_per_op_path(tiny_models, arch, kw):
+    eng = _panel_engine(tiny_models[arch], **kw)
+    runner = eng.runner
+    if runner.linear.backend != "native":
+        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    stack = runner.decode_stack
+    assert stack is not None and stack.max_rows == runner.config.max_num_seqs
+    # the panels the per-op path runs (gate|up packed gated: silu * mul in the GEMM), 16-bit dot products too
+    assert any(pw.gated for pw in runner.linear.packed_gated.values())
+    if kw.get("dtype") == "bfloat16":
+        assert all(pw.bf16_dot for pw in runner.linear.packed.values()) and runner.kv_cache.dtype == torch.bfloat16
+    _steps_match(runner, (1, 3, 16, 37))
+
+
+@pytest.mark.parametrize("kw", [{}, {"batch_invariant": True}, {"moe_expert_dtype": "bfloat16"}, {"dtype": "bfloat16"}],
+                         ids=["fp32", "invariant", "bf16-experts", "bf16-dot"])
+def test_moe_stack_is_bitwise_the_per_op_path(moe_models, kw):
+    """Qwen3-MoE (layers: MoE, dense (mlp_only_layers), MoE): the router's panels, the native routing and
+    one grouped experts call with the slot combine per MoE layer, the dense layer's MLP on the expert
+    kernel as one expert; up to 150 rows, so experts also get more rows than the tall tile takes."""
+    from deepinfer.engine.expert_kernels import NativeExperts, NativeGatedMlp
+
+    eng = _panel_engine(moe_models["qwen3_moe"], **kw)
+    runner = eng.runner
+    if runner.linear.backend != "native":
+        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.decode_stack is not None
+    mods = list(runner.model.modules())
+    assert sum(isinstance(m, NativeExperts) for m in mods) == 2 and any(isinstance(m, NativeGatedMlp) for m in mods)
+    if "moe_expert_dtype" in kw:
+        assert all(m.weights == torch.bfloat16 for m in mods if isinstance(m, NativeExperts))
+    _steps_match(runner, (1, 5, 40, 150))
+
+
+def test_moe_stack_gives_the_per_op_tokens_end_to_end(moe_models):
+    from deepinfer import SamplingParams
+
+    eng = _panel_engine(moe_models["qwen3_moe"])
+    if eng.runner.decode_stack is None:
+        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [[5, 9, 14, 3], [7, 7, 21], [30, 2, 8, 11, 4, 6]]
+    got = eng.generate(prompts, sp)
+    eng.runner.decode_stack = None
+    eng.reset_prefix_cache()
+    ref = eng.generate(prompts, sp)
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        assert [(l.logprob, l.top) for l in a.logprobs] == [(l.logprob, l.top) for l in b.logprobs]
+
+
+def test_stack_rejects_a_bad_moe_layer(moe_models):
+    from deepinfer_kernels.decode_stack import StackLayer, StackMoe
+
+    eng = _panel_engine(moe_models["qwen3_moe"])
+    stack = eng.runner.decode_stack
+    if stack is None:
+        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    from deepinfer.engine.native_decode import bind_decode_stack
+
+    runner = eng.runner
+    model = runner.model
+    layer = model.layers[0]
+    lin = runner.linear
+    attn, block = layer.self_attn, layer.mlp
+    base = dict(in_norm=layer.input_layernorm.weight.data, post_norm=layer.post_attention_layernorm.weight.data,
+                qkv=lin.packed[attn.qkv_weight.data_ptr()], qkv_bias=None, o=lin.packed[attn.o_weight.data_ptr()],
+                gate_up=None, down=None, k_cache=runner.kv_caches[0][0], v_cache=runner.kv_caches[0][1],
+                q_norm=attn.q_norm.weight.data, k_norm=attn.k_norm.weight.data)
+    router = lin.packed[block.gate_weight.data_ptr()]
+    packed = block.expert_kernel._packed
+    rot = model.rotary
+    make = lambda moe: DecodeStack([StackLayer(**base, moe=moe)], model.norm.weight.data, rot.cos, rot.sin,  # noqa: E731
+                                   1e-6, attn.n_heads, BS, "exact", 4)
+    assert make(StackMoe(router, packed, 2)).num_layers == 1
+    with pytest.raises(KernelInputError, match="do not fit 8 experts"):
+        make(StackMoe(router, packed, 9))
+    with pytest.raises(KernelInputError, match="one expert, top_k 1"):
+        make(StackMoe(None, packed, 2))
+    with pytest.raises(KernelInputError, match="scoring"):
+        make(StackMoe(router, packed, 2, scoring="relu"))
+    with pytest.raises(KernelInputError, match="gate_up is None"):
+        make(None)
+    assert bind_decode_stack(model, lin, runner.kv_caches, BS, 8) is not None
 
 
 def test_stack_rejects_bad_steps(tiny_models):
