@@ -172,21 +172,25 @@ MOE_SWITCH(di_moe_dynamic_on, di_moe_set_dynamic)
  * of what the two cores can read together, and below that an expert is bound by memory, above it by
  * the FMAs; taken in one order, both threads ran the large experts together (memory idle) and then the
  * small ones (FMAs idle). From both ends, one runs a large expert while the other runs a small one.
- * Measured (Qwen3-MoE-shaped model, batch 128, 2 threads, builds alternating, the bits unchanged):
- * the layer's experts 1.018x (median of 30 replays of the engine's decode inputs), tokens/s 1.027x
- * and 1.035x (paired medians of 6). Statically (di_moe_set_dynamic(0)): equal blocks of the items. */
+ * Measured (benchmarks/moe.py's models, 2 threads, builds alternating in one engine, the bits
+ * unchanged): Qwen3-MoE-shaped at batch 128, the layers' experts 1.018x (median of 30 replays of the
+ * engine's decode inputs), tokens/s 1.013-1.035x (paired medians of 6, three runs); DeepSeek-V3-shaped
+ * at batch 32 1.008x; Qwen3 at 32 0.997x. Statically (di_moe_set_dynamic(0)): equal blocks of the items. */
+#ifndef BOTH_ENDS_ROWS
+#define BOTH_ENDS_ROWS 16
+#endif
 typedef struct {
     int64_t claimed, front, back;
 } claims;
 
-static inline int64_t take(claims *c, int64_t n, int tid, int nth, int64_t *cursor) {
+static inline int64_t take(claims *c, int64_t n, int tid, int nth, int both_ends, int64_t *cursor) {
     if (!moe_dynamic) {
         if (*cursor < 0) *cursor = tid * n / nth;
         return *cursor < (tid + 1) * n / nth ? (*cursor)++ : -1;
     }
     if (__atomic_fetch_add(&c->claimed, 1, __ATOMIC_RELAXED) >= n) return -1; /* (n claims in all) */
-    return tid & 1 ? n - 1 - __atomic_fetch_add(&c->back, 1, __ATOMIC_RELAXED)
-                   : __atomic_fetch_add(&c->front, 1, __ATOMIC_RELAXED);
+    return both_ends && (tid & 1) ? n - 1 - __atomic_fetch_add(&c->back, 1, __ATOMIC_RELAXED)
+                                  : __atomic_fetch_add(&c->front, 1, __ATOMIC_RELAXED);
 }
 
 /* A tall group's items are runs of consecutive panels (about RUN_BYTES of weights, at least
@@ -515,6 +519,12 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         down0[i + 1] = down0[i] + (wide ? (Ph + 2) / 3 : (Ph + run_dn - 1) / run_dn);
     }
     claims gu_claims = {0, 0, 0}, down_claims = {0, 0, 0};
+    /* from both ends only where some group is large enough to be bound by its FMAs and others are
+     * much smaller (see take); at one row an expert (every group bound by memory) it only broke the
+     * streams' order: DeepSeek-V3-shaped model, batch 1, 0.90x tokens/s */
+    const int64_t n_first = G ? group_start[order[0] + 1] - group_start[order[0]] : 0;
+    const int64_t n_last = G ? group_start[order[G - 1] + 1] - group_start[order[G - 1]] : 0;
+    const int both_ends = n_first >= BOTH_ENDS_ROWS && 2 * n_last <= n_first;
     SCHEDULE_BEGIN
 #pragma omp parallel if (R * H * I >= 65536)
     {
@@ -546,7 +556,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
                 }
             }
         }
-        for (int64_t cur = -1, item; (item = take(&gu_claims, chunk0[G], tid, nth, &cur)) >= 0;) {
+        for (int64_t cur = -1, item; (item = take(&gu_claims, chunk0[G], tid, nth, both_ends, &cur)) >= 0;) {
             int64_t i = 0;
             while (chunk0[i + 1] <= item) ++i;  /* (G is at most the expert count) */
             const int64_t g = order[i], q = item - chunk0[i];
@@ -581,7 +591,7 @@ int FN(di_moe_experts)(const float *x, int64_t ldx, int64_t T, int64_t k, const 
         }
 #pragma omp barrier
         /* (every h row is complete here) */
-        for (int64_t cur = -1, item; (item = take(&down_claims, down0[G], tid, nth, &cur)) >= 0;) {
+        for (int64_t cur = -1, item; (item = take(&down_claims, down0[G], tid, nth, both_ends, &cur)) >= 0;) {
             int64_t i = 0;
             while (down0[i + 1] <= item) ++i;
             const int64_t g = order[i], q = item - down0[i];
