@@ -10,6 +10,9 @@ prompts never used before in this process (a fresh random draw per batch, repeat
 the same length) and our prefix cache is emptied before it: with the same prompts on every repeat
 our radix cache skipped the prefill from the second repeat on, which inflated our ratio.
 
+`paired` is the median over repeats of ours / transformers' run right after it, beside `hf runs`, the
+range of transformers' runs: the machine's speed drifts between repeats, and best-of ratios move with it.
+
 New tokens: the default was 8, which made "output tokens/s" mostly a prefill figure (at batch 32, 512
 prompt tokens against 256 generated), where both systems run fp32 GEMMs near this CPU's FMA peak.
 Measured in one session (fp32 checkpoint, best of 2), ours / transformers at batch 1 / 8 / 32 / 128:
@@ -17,7 +20,10 @@ Measured in one session (fp32 checkpoint, best of 2), ours / transformers at bat
 3.31 / 4.30 / 3.97 / 3.18x, Qwen3 2.38 / 3.92 / 3.65 / 2.64x. `--new-tokens 8` gives the old figure.
 2026-12-03, after Qwen3's q/k norms moved into rope_store_kv and the expert / panel GEMM changes of that
 day (best of 3): V3 2.76 / 4.04 / 4.46 / 3.35x, Qwen3 3.09 / 3.97 / 3.93 / 2.73x (same day before them,
-Qwen3 at batch 128: 2.45-2.54x).
+Qwen3 at batch 128: 2.45-2.54x). After the native decode stack took Qwen3-MoE's decode steps (and the
+expert kernel its two-ended item order): V3 3.20 / 3.90 / 4.26 / 3.24x, Qwen3 3.89 / 4.56 / 3.99 / 2.42x
+(best of 3; transformers 618 tok/s at batch 128 in that run), and Qwen3 alone, best of 5, 3.01 / 4.13 /
+4.02 / 2.72x, paired 2.95 / 4.04 / 3.68 / 2.78x (transformers' batch-128 runs 432-521 tok/s).
 
 Grouped GEMM: one MoE layer's routed experts (the kernel the engine runs them with) on
 `--gemm-tokens` routed tokens, in GFLOP/s, against dense GEMMs of the same K and N (one expert's
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -237,11 +244,14 @@ def main() -> None:
                 extra += f" {'bf16-experts tok/s':>18} {'vs hf':>6} {'vs fp32':>7}"
             if dot is not None:
                 extra += f" {'bf16-dot tok/s':>14} {'vs hf':>6} {'vs fp32':>7}"
-            print(f"{'batch':>6} {'deepinfer tok/s':>16} {'hf tok/s':>10} {'ratio':>7}{extra}", flush=True)
+            print(f"{'batch':>6} {'deepinfer tok/s':>16} {'hf tok/s':>10} {'ratio':>7} {'paired':>7} {'hf runs':>13}{extra}",
+                  flush=True)
             for b in args.batches:
                 best_o = best_h = best_p = best_b = best_d = 0.0
+                runs_o, runs_h = [], []
                 for _ in range(args.repeats):  # fresh prompts (same length) for every arm and repeat
-                    best_o = max(best_o, ours(engine, prompts(b, vocab), args.new_tokens))
+                    runs_o.append(ours(engine, prompts(b, vocab), args.new_tokens))
+                    best_o = max(best_o, runs_o[-1])
                     if old is not None:
                         best_p = max(best_p, ours(old, prompts(b, vocab), args.new_tokens))
                     if half is not None:
@@ -249,9 +259,14 @@ def main() -> None:
                     if dot is not None:
                         best_d = max(best_d, ours(dot, prompts(b, vocab), args.new_tokens))
                     if hf is not None:
-                        best_h = max(best_h, theirs(hf, prompts(b, vocab), args.new_tokens))
+                        runs_h.append(theirs(hf, prompts(b, vocab), args.new_tokens))
+                        best_h = max(best_h, runs_h[-1])
                 ratio = f"{best_o / best_h:7.2f}" if best_h else "      -"
-                line = f"{b:>6} {best_o:>16.1f} {best_h:>10.1f} {ratio}"
+                # paired: the median over repeats of ours / transformers run just after it (the machine's
+                # speed drifts between repeats; transformers' batch-128 runs moved 458-618 tok/s in a day)
+                paired = f"{statistics.median(o / h for o, h in zip(runs_o, runs_h)):7.2f}" if runs_h else "      -"
+                spread = f"{min(runs_h):.0f}-{max(runs_h):.0f}" if runs_h else "-"
+                line = f"{b:>6} {best_o:>16.1f} {best_h:>10.1f} {ratio} {paired} {spread:>13}"
                 if old is not None:
                     r_old = f"{best_p / best_h:7.2f}" if best_h else "      -"
                     line += f" {best_p:>17.1f} {r_old} {best_o / best_p:>19.2f}"
