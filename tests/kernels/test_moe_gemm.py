@@ -139,7 +139,8 @@ def test_tall_and_wide_tiles_give_a_row_the_same_bits(n, weights):
 
 
 def test_the_thread_schedule_never_changes_the_bits():
-    # dynamic runs of items (the default) and one static block a thread: the same bits
+    # dynamic runs of items (the default; here taken from both ends: a 40-row group beside ~11-row
+    # ones) and one static block a thread: the same bits
     E, H, I, T, k = 8, 96, 64, 60, 2
     gu, down = _experts(E, H, I, seed=21)
     packed = moe_gemm.pack_experts(gu, down)
