@@ -57,12 +57,10 @@ _MODES = {"exact": 0, "int8": 1}
 # the exact mode's kernel from quant.PANEL_M rows, as QuantLinear picks it: "panel" (the row kernel's
 # bits: qlinear(mode="exact"), the batch-invariant mode), "outer" (qlinear_outer), "bf16" (qlinear_bf16)
 _MANY = {"panel": 0, "outer": 1, "bf16": 2}
-# packed panels' kernels (csrc/decode_stack.c's DS_PANEL_*), as native._gemm picks them
-_PANELS = {torch.float32: 100, torch.bfloat16: 101, torch.float16: 102}
-_PANEL_BF16_DOT = 103
-# the routed experts' kernel (DS_EXPERTS_*), as moe_gemm.moe_experts picks it
-_EXPERTS = {torch.float32: 0, torch.bfloat16: 1}
-_EXPERTS_BF16_DOT = 2
+# csrc/decode_stack.c's codes (DS_PANEL_*, DS_EXPERTS_*) for the kernels native.panel_kernel and
+# moe_gemm.experts_kernel pick: the per-op path's choice, made in one place
+_PANELS = {"di_gemm_f32": 100, "di_gemm_bf16": 101, "di_gemm_f16": 102, "di_gemm_bf16dot": 103}
+_EXPERTS = {"di_moe_experts_f32": 0, "di_moe_experts_bf16": 1, "di_moe_experts_bf16dot": 2}
 
 Projection = quant.QuantWeight | native.PackedWeight
 
@@ -126,8 +124,7 @@ def _shape(w: Projection) -> tuple[int, int]:
 def _bind_weight(c: ctypes.Array, w: Projection) -> torch.Tensor:
     """Fill a di_ds_weight; returns the tensor whose address it holds."""
     if isinstance(w, native.PackedWeight):
-        fmt = _PANEL_BF16_DOT if w.bf16_dot else _PANELS[w.panels.dtype]
-        c[:] = (w.panels.data_ptr(), int(w.gated), fmt, w.n, w.k)
+        c[:] = (w.panels.data_ptr(), int(w.gated), _PANELS[native.panel_kernel(w)], w.n, w.k)
         return w.panels
     c[:] = (w.data.data_ptr(), w.data.shape[1], w.fmt, w.n, w.k)
     return w.data
@@ -241,7 +238,7 @@ class DecodeStack:
         if e.score_bias is not None:
             _dense(f"layer {i} score_bias", e.score_bias, (E,))
         c = _Moe(experts=E, top_k=e.top_k, inter=p.inter,
-                 kind=_EXPERTS_BF16_DOT if p.bf16_dot else _EXPERTS[p.weights],
+                 kind=_EXPERTS[moe_gemm.experts_kernel(p)],
                  scoring=moe_route.SCORINGS.index(e.scoring), n_group=e.n_group, topk_group=e.topk_group,
                  group_score=moe_route.GROUP_SCORES.index(e.group_score), norm=int(e.norm),
                  eps=1e-20 if e.scoring == "sigmoid" else 0.0, scale=float(e.scale),  # (moe_route.route's eps)

@@ -172,6 +172,14 @@ def unpack_experts(packed: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, rows(packed.down.float(), h).contiguous()
 
 
+def experts_kernel(packed: PackedExperts) -> str:
+    """The library function `moe_experts` runs packed's stacks with (by their storage, or bf16 dot
+    products); the decode stack binds the same one."""
+    if packed.bf16_dot:
+        return "di_moe_experts_bf16dot"
+    return "di_moe_experts_bf16" if packed.weights == torch.bfloat16 else "di_moe_experts_f32"
+
+
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts, extra: PackedExperts | None = None,
                 weights: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """[T, k, H]: out[t, j] = down_e(silu(gate_e x[t]) * up_e x[t]) for e = idx[t, j]: ids below
@@ -217,8 +225,7 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, packed: PackedExperts, extra
         add = add.contiguous()
     n_extra = extra.num_experts if extra is not None else 0
     lib = _lib()
-    fn = (lib.di_moe_experts_bf16dot if packed.bf16_dot else
-          lib.di_moe_experts_bf16 if packed.weights == torch.bfloat16 else lib.di_moe_experts_f32)
+    fn = getattr(lib, experts_kernel(packed))
     rc = fn(x.data_ptr(), x.stride(0), t, k, idx.data_ptr(), packed.num_experts,
             packed.gate_up.data_ptr(), packed.down.data_ptr(), n_extra,
             extra.gate_up.data_ptr() if extra is not None else None, extra.down.data_ptr() if extra is not None else None,

@@ -282,6 +282,12 @@ def pack_gated_weight(w: torch.Tensor, bf16_dot: bool = False) -> PackedWeight:
                         bf16_dot)
 
 
+def panel_kernel(pw: PackedWeight) -> str:
+    """The library function `linear` / `gated_linear` run pw's panels with (by its panel dtype, or the
+    bf16-dot kernel); the decode stack binds the same one."""
+    return BF16_DOT if pw.bf16_dot else PANEL_DTYPES[pw.panels.dtype]
+
+
 def _gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     lib = load()
     if lib is None:
@@ -297,7 +303,7 @@ def _gemm(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch
     m = x.shape[0]
     y = torch.empty(m, pw.n, dtype=torch.float32)
     if m:
-        gemm = getattr(lib, BF16_DOT if pw.bf16_dot else PANEL_DTYPES[pw.panels.dtype])
+        gemm = getattr(lib, panel_kernel(pw))
         rc = gemm(x.data_ptr(), x.stride(0), m, pw.panels.data_ptr(), pw.k, pw.n, int(pw.gated),
                   bias.data_ptr() if bias is not None else None, y.data_ptr(), pw.n)
         if rc:

@@ -146,17 +146,20 @@ def test_stack_binds_only_models_it_computes_exactly(tiny_models, moe_models):
     assert _runner(tiny_models["qwen3"], "exact").decode_stack is not None  # q/k norms in rope_store_kv, as per-op
     assert _runner(tiny_models["llama"], "exact", batch_invariant=True).decode_stack is not None
     fp32 = _panel_engine(tiny_models["llama"]).runner
-    assert (fp32.decode_stack is not None) == (fp32.linear.backend == "native")  # (oneDNN's: the per-op path)
-    oned = _panel_engine(tiny_models["llama"], cpu_linear_backend="onednn") if "cpu_linear_backend" in _CFG else None
-    assert oned is None or oned.runner.decode_stack is None
+    assert (fp32.decode_stack is not None) == (fp32.linear.backend == "native")
+    from deepinfer.engine.cpu_linear import CpuLinear, onednn_available
+    from deepinfer.engine.native_decode import bind_decode_stack
+
+    if onednn_available():  # oneDNN's packed weights: not the stack's kernels, so the per-op path
+        onednn = CpuLinear(fp32.model.linear_weights(), backend="onednn")
+        assert bind_decode_stack(fp32.model, onednn, fp32.kv_caches, BS, 8) is None
+        assert bind_decode_stack(fp32.model, fp32.linear, fp32.kv_caches, BS, 8) is not None
     # Qwen2-MoE's gated shared expert and DeepSeek-V3's latent attention keep the per-op path
     for arch in ("qwen2_moe", "deepseek_v3"):
         assert _panel_engine(moe_models[arch]).runner.decode_stack is None
 
 
 # ---- the panel GEMM (fp32 / 16-bit checkpoints), dense and MoE ------------------------------------
-_CFG = EngineConfig.__dataclass_fields__
-
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
