@@ -25,6 +25,15 @@ expert kernel its two-ended item order): V3 3.20 / 3.90 / 4.26 / 3.24x, Qwen3 3.
 (best of 3; transformers 618 tok/s at batch 128 in that run), and Qwen3 alone, best of 5, 3.01 / 4.13 /
 4.02 / 2.72x, paired 2.95 / 4.04 / 3.68 / 2.78x (transformers' batch-128 runs 432-521 tok/s).
 
+Model FLOPs: each run's work (`run_flops`: 2 FLOPs per multiply-add of the weights every token
+uses, plus its attention over its context) over its wall time, for ours and transformers, against the
+engine's packed linear on a well-shaped dense GEMM measured in the same run: how close each system
+runs to what this CPU's GEMMs reach, and the ratio to transformers if every FLOP ran at that rate.
+2026-12-03, Qwen3-MoE-shaped at batch 128: 952 GFLOP a run, ours at 77% of the dense rate (199
+GFLOP/s), transformers at 28%; every FLOP at the dense rate would have been 3.52x transformers'
+best run, so 3x needed 85% of it end to end (attention over the KV cache, norms, routing, sampling
+and the step's Python included).
+
 Grouped GEMM: one MoE layer's routed experts (the kernel the engine runs them with) on
 `--gemm-tokens` routed tokens, in GFLOP/s, against dense GEMMs of the same K and N (one expert's
 gate/up + down) over all T * top-k rows, with the same threads: the same native kernel on a
@@ -122,6 +131,41 @@ def theirs(hf, ids: list[list[int]], new: int) -> float:
     return len(ids) * new / (time.perf_counter() - t)
 
 
+def token_flops(mc, ctx: int) -> float:
+    """Model FLOPs of one token at context length ctx (2 per multiply-add of the weights it uses: attention
+    projections, the dense MLP or the router + top-k routed experts + shared expert; plus its attention
+    over ctx keys, counted per head as the unabsorbed q.k and p.v; the LM head not counted: 381 tokens
+    here). The work both systems must do whatever their kernels, so tokens/s x this is a rate comparable
+    to a GEMM's GFLOP/s."""
+    h, heads = mc.hidden_size, mc.num_attention_heads
+    if mc.mla is None:
+        d = mc.head_dim
+        attn = h * (heads + 2 * mc.num_key_value_heads) * d + heads * d * h
+        qk, pv = d, d
+    else:
+        a = mc.mla
+        qk, pv = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+        q = (h * a.q_lora_rank + a.q_lora_rank * heads * qk) if a.q_lora_rank else h * heads * qk
+        attn = q + h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * heads * (a.qk_nope_head_dim + pv) \
+            + heads * pv * h
+    total = 0.0
+    for layer in range(mc.num_hidden_layers):
+        m = mc.moe
+        if m is not None and layer in m.sparse_layers:
+            mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_intermediate_size + 3 * h * m.shared_intermediate_size
+        else:
+            mlp = 3 * h * mc.intermediate_size
+        total += 2.0 * (attn + mlp) + 2.0 * heads * (qk + pv) * ctx
+    return total
+
+
+def run_flops(mc, batch: int, new: int) -> float:
+    """Model FLOPs of one timed run: the prefill of `batch` PROMPT_LEN-token prompts, then new - 1 decode steps."""
+    per_seq = sum(token_flops(mc, c) for c in range(1, PROMPT_LEN + 1)) + \
+        sum(token_flops(mc, PROMPT_LEN + i) for i in range(1, new))
+    return batch * per_seq
+
+
 def gemm_rates(engine: Engine, tokens: int, repeats: int) -> tuple[float, float, float | None]:
     """GFLOP/s on one MoE layer's shapes, same threads: (grouped experts as the engine runs them, dense
     GEMM pair through the engine's packed linear, dense GEMM pair on the native expert kernel as a
@@ -177,6 +221,27 @@ def gemm_rates(engine: Engine, tokens: int, repeats: int) -> tuple[float, float,
                 best[i] = min(best[i], time.perf_counter() - t)
     rates = [flops / b / 1e9 for b in best]
     return rates[0], rates[1], (rates[2] if native else None)
+
+
+def dense_rate(engine: Engine, repeats: int) -> float:
+    """GFLOP/s of the engine's packed linear on a well-shaped GEMM, [512, hidden] x [hidden, 2 * hidden]
+    (best of several, weights warm, same threads): what this CPU's GEMMs reach in this run, the yardstick
+    for the model-FLOP rates."""
+    from deepinfer.engine.cpu_linear import CpuLinear
+
+    lin, h = engine.runner.linear, engine.model_config.hidden_size
+    w = torch.randn(2 * h, h) * 0.03
+    dense = CpuLinear([w], backend=lin.backend, bf16_dot=engine.precision == "bfloat16-dot") \
+        if hasattr(lin, "backend") else lin
+    x = torch.randn(512, h)
+    best = float("inf")
+    with torch.inference_mode():
+        dense(x, w)
+        for _ in range(max(5, repeats * 5)):
+            t = time.perf_counter()
+            dense(x, w)
+            best = min(best, time.perf_counter() - t)
+    return 2.0 * 512 * h * 2 * h / best / 1e9
 
 
 def per_expert_engine(path: str) -> Engine:
@@ -246,6 +311,7 @@ def main() -> None:
                 extra += f" {'bf16-dot tok/s':>14} {'vs hf':>6} {'vs fp32':>7}"
             print(f"{'batch':>6} {'deepinfer tok/s':>16} {'hf tok/s':>10} {'ratio':>7} {'paired':>7} {'hf runs':>13}{extra}",
                   flush=True)
+            rates = []  # (batch, our model GFLOP/s, transformers', the run's GFLOP) for the roofline lines
             for b in args.batches:
                 best_o = best_h = best_p = best_b = best_d = 0.0
                 runs_o, runs_h = [], []
@@ -277,6 +343,8 @@ def main() -> None:
                     r_dot = f"{best_d / best_h:6.2f}" if best_h else "     -"
                     line += f" {best_d:>14.1f} {r_dot} {best_d / best_o:>7.2f}"
                 print(line, flush=True)
+                gflop = run_flops(engine.model_config, b, args.new_tokens) / 1e9
+                rates.append((b, gflop * best_o / (b * args.new_tokens), gflop * best_h / (b * args.new_tokens), gflop))
             for label, e in (("grouped expert kernel", engine), ("per-expert GEMMs", old),
                              ("grouped expert kernel, bf16 weights", half), ("grouped expert kernel, bf16 dot", dot)):
                 if e is None:
@@ -286,6 +354,19 @@ def main() -> None:
                         f"dense same K/N, engine linear: {d:.1f} (grouped/dense {g / d:.2f})")
                 if dn is not None:
                     line += f"; dense same K/N, same native kernel: {dn:.1f} (grouped/dense {g / dn:.2f})"
+                print(line, flush=True)
+            # Model FLOPs per second (run_flops / wall time) against the dense GEMM rate just measured: how
+            # close each system runs to what this CPU's GEMMs reach, and what a ratio to transformers could
+            # be at most if every FLOP ran at that rate.
+            peak = dense_rate(engine, args.repeats)
+            print(f"dense GEMM, engine linear, [512, {engine.model_config.hidden_size}] x "
+                  f"[{engine.model_config.hidden_size}, {2 * engine.model_config.hidden_size}]: {peak:.1f} GFLOP/s", flush=True)
+            for b, r_o, r_h, gflop in rates:
+                line = (f"model FLOPs at batch {b}: {gflop:.0f} GFLOP a run; ours {r_o:.0f} GFLOP/s = "
+                        f"{r_o / peak:.0%} of the dense GEMM rate")
+                if r_h:
+                    line += (f", transformers {r_h:.0f} = {r_h / peak:.0%}; every FLOP at the dense rate would be "
+                             f"{peak / r_h:.2f}x transformers' best run")
                 print(line, flush=True)
             ours_b, per_head = kv_bytes(engine)
             if engine.model_config.mla is not None:
