@@ -29,10 +29,13 @@ Model FLOPs: each run's work (`run_flops`: 2 FLOPs per multiply-add of the weigh
 uses, plus its attention over its context) over its wall time, for ours and transformers, against the
 engine's packed linear on a well-shaped dense GEMM measured in the same run: how close each system
 runs to what this CPU's GEMMs reach, and the ratio to transformers if every FLOP ran at that rate.
-2026-12-03, Qwen3-MoE-shaped at batch 128: 952 GFLOP a run, ours at 77% of the dense rate (199
-GFLOP/s), transformers at 28%; every FLOP at the dense rate would have been 3.52x transformers'
-best run, so 3x needed 85% of it end to end (attention over the KV cache, norms, routing, sampling
-and the step's Python included).
+2026-12-03, Qwen3-MoE-shaped at batch 128 (--repeats 3): 952 GFLOP a run, ours at 77% of the dense
+rate (219 GFLOP/s), transformers at 31%; every FLOP at the dense rate would have been 3.27x
+transformers' best run (576 tok/s; its runs 429-576), so 3x needed ~92% of it end to end (attention
+over the KV cache, norms, routing, sampling and the step's Python included), ~80% against its
+usual ~500 tok/s. DeepSeek-V3-shaped: ours 61%, transformers 19%. Ratios in that run (best of 3 /
+paired), batch 1 / 8 / 32 / 128: V3 3.09 / 3.89 / 3.92 / 3.25x and 3.13 / 3.90 / 3.93 / 3.31x;
+Qwen3 4.25 / 4.77 / 4.69 / 2.51x and 4.25 / 4.50 / 4.66 / 2.99x.
 
 Grouped GEMM: one MoE layer's routed experts (the kernel the engine runs them with) on
 `--gemm-tokens` routed tokens, in GFLOP/s, against dense GEMMs of the same K and N (one expert's
@@ -134,8 +137,8 @@ def theirs(hf, ids: list[list[int]], new: int) -> float:
 def token_flops(mc, ctx: int) -> float:
     """Model FLOPs of one token at context length ctx (2 per multiply-add of the weights it uses: attention
     projections, the dense MLP or the router + top-k routed experts + shared expert; plus its attention
-    over ctx keys, counted per head as the unabsorbed q.k and p.v; the LM head not counted: 381 tokens
-    here). The work both systems must do whatever their kernels, so tokens/s x this is a rate comparable
+    over ctx keys, counted per head as the unabsorbed q.k and p.v; the LM head not counted: a 381-token
+    vocabulary here). The work both systems must do whatever their kernels, so tokens/s x this is a rate comparable
     to a GEMM's GFLOP/s."""
     h, heads = mc.hidden_size, mc.num_attention_heads
     if mc.mla is None:
@@ -148,9 +151,8 @@ def token_flops(mc, ctx: int) -> float:
         q = (h * a.q_lora_rank + a.q_lora_rank * heads * qk) if a.q_lora_rank else h * heads * qk
         attn = q + h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * heads * (a.qk_nope_head_dim + pv) \
             + heads * pv * h
-    total = 0.0
+    total, m = 0.0, mc.moe
     for layer in range(mc.num_hidden_layers):
-        m = mc.moe
         if m is not None and layer in m.sparse_layers:
             mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_intermediate_size + 3 * h * m.shared_intermediate_size
         else:
@@ -164,6 +166,17 @@ def run_flops(mc, batch: int, new: int) -> float:
     per_seq = sum(token_flops(mc, c) for c in range(1, PROMPT_LEN + 1)) + \
         sum(token_flops(mc, PROMPT_LEN + i) for i in range(1, new))
     return batch * per_seq
+
+
+def engine_linear(engine: Engine, weights: list[torch.Tensor], gated: list[torch.Tensor] = ()):
+    """A linear over these weights in the engine's own arithmetic (its backend; fp32, or bf16 dot products
+    under dtype="bfloat16"): the dense references the grouped kernel and the model-FLOP rates are set against."""
+    from deepinfer.engine.cpu_linear import CpuLinear
+
+    lin = engine.runner.linear
+    if not hasattr(lin, "backend"):
+        return lin
+    return CpuLinear(weights, gated=gated, backend=lin.backend, bf16_dot=engine.precision == "bfloat16-dot")
 
 
 def gemm_rates(engine: Engine, tokens: int, repeats: int) -> tuple[float, float, float | None]:
@@ -184,12 +197,8 @@ def gemm_rates(engine: Engine, tokens: int, repeats: int) -> tuple[float, float,
     # the dense reference: one expert-shaped GEMM pair over all top-k rows, packed the same way
     gu = torch.randn(2 * block.inter, block.hidden) * 0.03
     down = torch.randn(block.hidden, block.inter) * 0.03
-    from deepinfer.engine.cpu_linear import CpuLinear
-
-    # the dense reference in the engine's own arithmetic (fp32, or bf16 dot products under dtype="bfloat16")
     bf16_dot = engine.precision == "bfloat16-dot"
-    dense_lin = CpuLinear([down], gated=[gu], backend=getattr(lin, "backend", None), bf16_dot=bf16_dot) \
-        if hasattr(lin, "backend") else lin
+    dense_lin = engine_linear(engine, [down], gated=[gu])
     dmeta = ForwardContext(slot_mapping=meta.slot_mapping, linear=dense_lin, silu_mul=getattr(dense_lin, "silu_mul", None))
     xr = torch.randn(rows, block.hidden) * 0.5
 
@@ -227,12 +236,9 @@ def dense_rate(engine: Engine, repeats: int) -> float:
     """GFLOP/s of the engine's packed linear on a well-shaped GEMM, [512, hidden] x [hidden, 2 * hidden]
     (best of several, weights warm, same threads): what this CPU's GEMMs reach in this run, the yardstick
     for the model-FLOP rates."""
-    from deepinfer.engine.cpu_linear import CpuLinear
-
-    lin, h = engine.runner.linear, engine.model_config.hidden_size
+    h = engine.model_config.hidden_size
     w = torch.randn(2 * h, h) * 0.03
-    dense = CpuLinear([w], backend=lin.backend, bf16_dot=engine.precision == "bfloat16-dot") \
-        if hasattr(lin, "backend") else lin
+    dense = engine_linear(engine, [w])
     x = torch.randn(512, h)
     best = float("inf")
     with torch.inference_mode():
