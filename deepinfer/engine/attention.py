@@ -60,6 +60,10 @@ class ForwardContext:
     # deepinfer_kernels.native.rope_store_kv when selected: rotary + cache write in one call, after
     # which paged_attention is called with k = v = None (they are already in the cache)
     rope_store_kv: Callable | None = None
+    # [R] int64: the flat rows whose final hidden states the step needs (its logit rows), when fewer
+    # than all: the last layer computes its attention output projection and MLP for these rows only,
+    # and the model returns [R, hidden] in this order (DecoderForCausalLM.forward)
+    keep_rows: torch.Tensor | None = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):

@@ -130,6 +130,10 @@ class Engine:
         self._compiling: list[Sequence] = []  # waiting for their grammar (compiled in a thread pool)
         self._aborted: list[Sequence] = []  # finished by abort(), reported by the next step()
         self._pending_outputs: list[RequestOutput] = []
+        # generate() reads only finished outputs: while it runs, a step builds no output for a sequence
+        # that progressed without finishing (128 RequestOutputs a step at batch 128, each copying its
+        # token list and text: ~1 ms of a ~75 ms decode step under cProfile)
+        self._finished_outputs_only = False
         self._inflight: Step | None = None  # the forward pass running in the worker (overlap mode)
         self._next = None  # the step planned while it runs
         self._deferred: list[Sequence] = []  # finished while in flight: release after the forward
@@ -571,7 +575,8 @@ class Engine:
             secs = time.perf_counter() - st.t_start if st.t_start else st.forward_s
             budgeted = sum(len(e.drafts) for e in st.entries if e.seq.draft_key != FORCED_KEY)
             self.speculator.observe_step(st.num_tokens, budgeted, secs)
-        outputs = [self.outputs.make_output(seq) for seq in progressed]
+        only_finished = self._finished_outputs_only
+        outputs = [self.outputs.make_output(seq) for seq in progressed if seq.is_finished or not only_finished]
         for seq in progressed:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
@@ -683,18 +688,22 @@ class Engine:
             from tqdm import tqdm
 
             bar = tqdm(total=len(pending), desc="generate")
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("engine stopped with requests pending")  # a bug, never silent
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        self._on_compute(self._drain)  # release what the last forward in flight still holds
+        self._finished_outputs_only = True
+        try:
+            while pending:
+                if not self.has_unfinished():
+                    raise RuntimeError("engine stopped with requests pending")  # a bug, never silent
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+            if bar is not None:
+                bar.close()
+            self._on_compute(self._drain)  # release what the last forward in flight still holds
+        finally:
+            self._finished_outputs_only = False
         return [results[o] if isinstance(o, str) else o for o in order]
 
     def num_free_blocks(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +146,9 @@ class ModelRunner:
         # decode-only steps of few rows through one native call (native_decode.py), when it binds: GGUF
         # blocks, or the native panel GEMM (fp32 / 16-bit checkpoints, dense or Qwen-style MoE)
         self.decode_stack = None
+        # a step that needs logits for only some rows (a prefill) runs its last layer's attention output
+        # projection and MLP on those rows alone (ForwardContext.keep_rows); off: on every row
+        self.prune_last_layer = True
         native_panels = getattr(self.linear, "backend", None) == "native"
         if (self.token_attention is not None and (quant_mode or native_panels) and self.num_mtp_layers == 0
                 and not self.use_graphs):
@@ -541,15 +545,20 @@ class ModelRunner:
                 and torch.equal(batch.logit_rows, torch.arange(c.num_decode))):
             return self.graphs.replay(ids, batch.positions.to(dev, non_blocking=True), c.slot_mapping,
                                       c.decode_block_tables, c.decode_context_lens)
+        R = batch.logit_rows.numel()
+        pruned = False
         if batch.stack_block_tables is not None:
             hidden = self.decode_stack(self.model.embed(ids), batch.positions, c.slot_mapping, batch.stack_block_tables,
                                        num_layers)
         else:
             # the model runs one layer per KV cache it is given (zip): fewer caches, fewer layers
             kv = self.kv_caches if num_layers is None else self.kv_caches[:num_layers]
-            hidden = self.model(ids, batch.positions.to(dev), batch.ctx, kv)
-        if batch.logit_rows.numel():
-            sel = hidden.index_select(0, batch.logit_rows.to(dev))
+            # the last layer only for the logit rows, unless every row's final state is wanted
+            pruned = self.prune_last_layer and not with_hidden and 0 < R < ids.shape[0]
+            ctx = dataclasses.replace(c, keep_rows=batch.logit_rows.to(dev)) if pruned else c
+            hidden = self.model(ids, batch.positions.to(dev), ctx, kv)
+        if R:
+            sel = hidden if pruned else hidden.index_select(0, batch.logit_rows.to(dev))
             logits = self.model.compute_logits(sel, batch.ctx)
         else:
             logits = torch.empty(0, self.model_config.vocab_size, device=dev)

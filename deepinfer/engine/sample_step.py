@@ -86,7 +86,10 @@ class StepSampler:
             else:
                 valid = self.structured.apply_masks(sel, mask_rows, step.id)
                 tok_t = self.sampler.sample(sel, batch)
-            tokens[torch.tensor(slots, dtype=torch.long, device=tokens.device)] = tok_t
+            if len(slots) == step.num_slots and slots == list(range(step.num_slots)):
+                tokens = tok_t.long()  # every slot, in order (the common case: no index tensor to build)
+            else:
+                tokens[torch.tensor(slots, dtype=torch.long, device=tokens.device)] = tok_t
             row_lps = compute_logprobs(raw, tok_t, top_n) if raw is not None else [None] * len(rows)
             drawn = tok_t.tolist()
             r = 0

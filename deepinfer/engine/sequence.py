@@ -62,6 +62,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_span(self, a: int, b: int) -> list[int]:
+        """Tokens a .. b-1 of prompt + output, without building all_token_ids."""
+        n = len(self.prompt_token_ids)
+        if b <= n:
+            return self.prompt_token_ids[a:b]
+        if a >= n:
+            return self.output_token_ids[a - n : b - n]
+        return self.prompt_token_ids[a:] + self.output_token_ids[: b - n]
+
     def token_at(self, i: int) -> int:
         """Token i of prompt + output, without building all_token_ids."""
         n = len(self.prompt_token_ids)

@@ -87,7 +87,7 @@ def plan_step(sched: SchedulerOutput, step_id: int, block_size: int, kv: KVCache
             e.ph_index = len(seq.output_token_ids)
             e.slot = slot
             slot += 1 + k
-        tokens.append(seq.all_token_ids[nc : nc + n - len(drafts)] + drafts)
+        tokens.append(seq.token_span(nc, nc + n - len(drafts)) + drafts if drafts else seq.token_span(nc, nc + n))
         entries.append(e)
         flat += n
     batch = ForwardBatch.build(tokens, [e.start for e in entries], [e.seq.block_table for e in entries], rows,

@@ -113,7 +113,8 @@ class MlaAttention(nn.Module):
             k_pe = deinterleave(k_pe)
         return torch.cat([c, self.rotary.apply(k_pe, rope)[:, 0]], dim=-1)
 
-    def forward(self, rope, x, meta: ForwardContext, kv_cache) -> torch.Tensor:
+    def forward(self, rope, x, meta: ForwardContext, kv_cache, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """keep: return only these rows' outputs (every row's latent still goes to the cache)."""
         T, H = x.shape[0], self.n_heads
         q, ckv = self._down(x, meta)
         if self.q_lora is not None:
@@ -135,6 +136,8 @@ class MlaAttention(nn.Module):
         cache = kv_cache[0]  # [slots, 1, kv_lora_rank + rope]
         cache.index_copy_(0, meta.slot_mapping, self.latent(x, rope, meta, ckv).unsqueeze(1))
         o = paged_attention(q_full, None, None, cache, cache, meta, self.scale)  # [T, H, r + rope]
+        if keep is not None:
+            o, T = o.index_select(0, keep), keep.numel()
         out = torch.empty(T, H, self.v_dim, dtype=x.dtype, device=x.device)
         if per_head:
             for h in range(H):
