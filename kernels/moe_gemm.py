@@ -39,6 +39,8 @@ def _configure(lib) -> None:
     lib.di_moe_set_dynamic.restype = None
     lib.di_moe_set_prefetch_next.argtypes = [ctypes.c_int]
     lib.di_moe_set_prefetch_next.restype = None
+    lib.di_bf16dot_set_tall.argtypes = [ctypes.c_int]
+    lib.di_bf16dot_set_tall.restype = None
 
 
 def _lib():
@@ -66,12 +68,19 @@ def set_prefetch_next(on: bool) -> None:
     _lib().di_moe_set_prefetch_next(1 if on else 0)
 
 
+def set_bf16_dot_tall(on: bool) -> None:
+    """bf16-dot experts: a group of 9 .. 32 rows on the tall tile (the default) or on the 8 x 48 tile
+    like the others; for side-by-side measurements and tests. The bits are the same either way."""
+    _lib().di_bf16dot_set_tall(1 if on else 0)
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """E experts' weights in panels: gate_up [E, 2P_I, H, NR] (gate and up panels interleaved),
-    down [E, P_H, I, NR], float32 or bfloat16 (`weights`). bf16_dot: bf16 pair panels instead (per
-    expert native.pack_gated_weight / pack_weight(bf16_dot=True)'s layout, 48 columns: gate_up
-    [E, 2P_I, ceil(H/2), 48, 2], down [E, P_H, ceil(I/2), 48, 2]), run as bf16 dot products."""
+    down [E, P_H, I, NR], float32 or bfloat16 (`weights`). bf16_dot: bf16 pair panels of 16 columns
+    instead (rows k and k + 1 of a column side by side, K padded to even with zeros: gate_up
+    [E, 2P_I, ceil(H/2), 16, 2], gate and up panels interleaved, down [E, P_H, ceil(I/2), 16, 2]),
+    run as bf16 dot products."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -95,6 +104,28 @@ def _panels(w: torch.Tensor, nr: int) -> torch.Tensor:
     if p * nr != n:
         w = torch.cat([w, w.new_zeros(e, p * nr - n, k)], 1)
     return w.reshape(e, p, nr, k).transpose(2, 3).contiguous()
+
+
+BF16_DOT_PANEL = 16  # columns of a bf16-dot expert panel (csrc/gemm_bf16dot.c, EW)
+
+
+def _pair_panels(w: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] bf16 -> [E, ceil(N / 16), ceil(K / 2), 16, 2]: rows k and k + 1 of each column side by
+    side, zero-padded past N and to an even K."""
+    e, n, k = w.shape
+    nr = BF16_DOT_PANEL
+    p = -(-n // nr)
+    if p * nr != n:
+        w = torch.cat([w, w.new_zeros(e, p * nr - n, k)], 1)
+    if k % 2:
+        w = torch.cat([w, w.new_zeros(e, p * nr, 1)], 2)
+    return w.reshape(e, p, nr, -1, 2).transpose(2, 3).contiguous()
+
+
+def _pair_rows(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """_pair_panels' inverse, widened to fp32: [E, P, Kp, 16, 2] -> [E, n, k]."""
+    e, p, kp, nr, _ = panels.shape
+    return panels.transpose(2, 3).reshape(e, p * nr, 2 * kp)[:, :n, :k].float()
 
 
 def _check_stack(name: str, w: torch.Tensor) -> None:
@@ -137,12 +168,15 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True,
 
 def pack_experts_bf16_dot(gate_up: torch.Tensor, down: torch.Tensor, huge: bool = True) -> PackedExperts:
     """gate_up [E, 2I, H], down [E, H, I] (fp32) -> PackedExperts for bf16 dot products (bf16_dot=True):
-    the weights rounded to bf16 (native.to_bf16_dot) in native's pair panels, one expert after another.
+    the weights rounded to bf16 (native.to_bf16_dot) in 16-column pair panels (see PackedExperts: each
+    column block one sequential stream for the kernel's tiles), one expert after another.
     `moe_experts` then rounds x, and the gated intermediate, to bf16 and accumulates in fp32
     (csrc/gemm_bf16dot.c, di_moe_experts_bf16dot)."""
     e, i2, h = _check_pair("pack_experts_bf16_dot", gate_up, down)
-    gu = torch.stack([native.pack_gated_weight(gate_up[j].contiguous(), bf16_dot=True).panels for j in range(e)])
-    d = torch.stack([native.pack_weight(down[j].contiguous(), bf16_dot=True).panels for j in range(e)])
+    i = i2 // 2
+    gu16, d16 = native.to_bf16_dot(gate_up), native.to_bf16_dot(down)
+    gu = torch.stack([_pair_panels(gu16[:, :i]), _pair_panels(gu16[:, i:])], 2).flatten(1, 2).contiguous()
+    d = _pair_panels(d16)
     if huge:
         gu, d = huge_pages.copy(gu), huge_pages.copy(d)
     return PackedExperts(gu, d, e, h, i2 // 2, bf16_dot=True)
@@ -151,15 +185,10 @@ def pack_experts_bf16_dot(gate_up: torch.Tensor, down: torch.Tensor, huge: bool 
 def unpack_experts(packed: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 stacks gate_up [E, 2I, H] and down [E, H, I] that `packed` holds (bf16 panels: their
     exact fp32 values), so the packed copy can be the only one kept."""
-    if packed.bf16_dot:  # each expert's panels are native's: read back with native.packed_rows
-        e, i, h = packed.num_experts, packed.inter, packed.hidden
-
-        def rows_of(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
-            return native.packed_rows(native.PackedWeight(panels, n, k, False, True), torch.arange(n))
-
-        gate_up = torch.stack([torch.cat([rows_of(packed.gate_up[j, 0::2], i, h), rows_of(packed.gate_up[j, 1::2], i, h)])
-                               for j in range(e)])
-        return gate_up, torch.stack([rows_of(packed.down[j], h, i) for j in range(e)])
+    if packed.bf16_dot:
+        i, h, gu = packed.inter, packed.hidden, packed.gate_up
+        return torch.cat([_pair_rows(gu[:, 0::2], i, h), _pair_rows(gu[:, 1::2], i, h)], 1).contiguous(), \
+            _pair_rows(packed.down, h, i).contiguous()
 
     def rows(panels: torch.Tensor, n: int) -> torch.Tensor:  # [E, P, K, nr] -> [E, n, K]
         e, p, k, nr = panels.shape

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "expert_sort.h"
+#include "transpose32.h"
 #include "vec16.h"
 
 /* Software prefetch this far ahead in a panel (3 lines a pair step). Grouped experts (32 x [2 x 256 x 1024]
@@ -224,13 +225,33 @@ int di_gemm_bf16dot(const float *x, int64_t ldx, int64_t M, const uint16_t *wp16
 /* ---- the routed experts of an MoE layer as bf16 dot products (Engine(dtype="bfloat16") on MoE models) ----
  *
  * moe_gemm.c's grouped expert pair with this file's arithmetic: for every (token t, slot j) with expert
- * e = idx[t, j], y[t * k + j] = down_e @ bf16(silu(gate_e @ bf16(x[t])) * (up_e @ bf16(x[t]))), each GEMM
- * a bf16 pair-panel GEMM as above (so every output is one chain over k in order: a pair's result depends
- * only on its token and expert, whatever the batch). In one call: a stable counting sort of the pairs by
- * expert, x rounded once per token and copied to its pairs' rows in expert order, one item per (expert,
- * panel) for gate/up and then for down, and the slot combine. The weights: per expert the panels
- * pack_gated_weight / pack_weight(bf16_dot=True) lay out (gate/up: 2 * ceil(I / 48) panels over K = H,
- * down: ceil(H / 48) panels over K = I), experts one after another.
+ * e = idx[t, j], y[t * k + j] = down_e @ bf16(silu(gate_e @ bf16(x[t])) * (up_e @ bf16(x[t]))), each
+ * output one vdpbf16ps chain over the pairs in order, as in the GEMM above (so a pair's result depends
+ * only on its token and expert, whatever the batch, and equals the dense GEMM's on the same weights).
+ * In one call: a stable counting sort of the pairs by expert, x rounded once per token and copied to
+ * its pairs' rows in expert order, items of up to 3 column blocks of one expert for gate/up and then
+ * for down, and the slot combine.
+ *
+ * Weights (kernels/moe_gemm.py, pack_experts_bf16_dot): 16-column pair panels, [Kp][16] pairs each
+ * (row j: pairs 2j, 2j + 1 of 16 output columns, zero-padded past N and past an odd K); per expert the
+ * gate/up as 2 * ceil(I / 16) panels over K = H (gate panel q, then up panel q), the down as
+ * ceil(H / 16) panels over K = I; experts one after another. A column block is one sequential stream:
+ * with the dense GEMM's 48-column panels a 16-column tile read every third line, and two threads
+ * streaming such panels reached 229-275 GFLOP/s against 326-376 sequentially (m = 16 rows, vdpbf16ps,
+ * 400 MB of panels, 2 threads, the same prefetch; a standalone C loop on the 2-core host). The last
+ * chunk also stops at the last block with columns (I = 256: 16 blocks, where 48-column panels computed
+ * 288 columns).
+ *
+ * Two tiles, chosen per expert group by its row count n:
+ * - TALL_MIN <= n <= TALL_MAX (the routed experts at decode): the tall tile, up to TMT rows x one
+ *   16-column block (one accumulator a row, the broadcasts memory operands), so every weight is read
+ *   once, by one pass. The group's rows are copied transposed first (pair j of row r at xt[j * m + r]:
+ *   each broadcast a constant offset from one pointer), and its gated output is rounded and stored
+ *   transposed the same way ([Ip][m] a tile), the down GEMM's input. (With 8-row tiles a block came
+ *   from memory for the first tile and from cache for the next, and the stream idled meanwhile:
+ *   moe_gemm.c's fp32 kernel made the same change, see its header.) Only with AVX512_BF16.
+ * - otherwise (a few rows, or a shared expert's / a prefill's many): row tiles of MR rows x up to 3
+ *   blocks, as the GEMM above.
  *
  * Combine (wts given): out[t] = sum over j in order of wts[t, j] * y[t * k + j] (each product rounded,
  * then added), + add[t]: moe_gemm.c's combine_rows, called through di_moe_combine_rows. */
@@ -238,19 +259,253 @@ int di_gemm_bf16dot(const float *x, int64_t ldx, int64_t M, const uint16_t *wp16
 void di_moe_combine_rows(const float *y, int64_t ldy, const int64_t *pos, int64_t t0, int64_t t1, int64_t k,
                          const float *wts, const float *add, int64_t ldadd, float *out, int64_t ldo, int64_t H);
 
-/* Item `it` of one GEMM over the expert groups (P panels an expert): group it / P's rows (sorted positions
- * gstart[g] ..) of `in` (pairs, Kp a row) against panel it % P of its expert's weights (w, or the extra
- * stack xw past E; `stride` pairs an expert) into out (N columns a row, same sorted rows). */
-static void group_item(int dot, int64_t it, int64_t P, const int64_t *gexp, const int64_t *gstart, int64_t E,
-                       const uint32_t *w, const uint32_t *xw, int64_t stride, const uint32_t *in, int64_t Kp,
-                       int gated, float *out, int64_t N) {
-    const int64_t g = it / P, p = it % P, e = gexp[g], s0 = gstart[g], n = gstart[g + 1] - s0;
-    const uint32_t *wp = e < E ? w + e * stride : xw + (e - E) * stride;
-    const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+#define EW 16 /* columns of an expert panel */
+#define TMT 30
+#define TALL_MIN 9
+#define TALL_MAX 32
+
+/* the tall tile for groups of TALL_MIN .. TALL_MAX rows (1, the default) or row tiles for every group
+ * (0): the same bits either way; di_bf16dot_set_tall switches it for side-by-side runs and tests */
+static volatile int di_bf16dot_tall_on = 1;
+void di_bf16dot_set_tall(int on) { di_bf16dot_tall_on = on != 0; }
+
+static inline int tall_group(int tall_ok, int64_t n) { return tall_ok && n >= TALL_MIN && n <= TALL_MAX; }
+
+/* n rows in ceil(n / TMT) tiles of near-equal size: tile i starts at *start */
+static inline int tall_split(int64_t n, int64_t i, int64_t *start) {
+    const int64_t parts = (n + TMT - 1) / TMT, base = n / parts, extra = n % parts;
+    *start = i * base + (i < extra ? i : extra);
+    return (int)(base + (i < extra));
+}
+
+/* acc[r][c], c < nv: mr rows of xb (Kp pairs a row) . column block c (the panel at w + c * cs) */
+static inline __attribute__((always_inline)) void etile_widen(const int mr, const int nv, const uint32_t *xb,
+                                                              int64_t Kp, const uint32_t *w, int64_t cs,
+                                                              v16 acc[MR][3]) {
+    for (int r = 0; r < mr; ++r)
+        for (int c = 0; c < 3; ++c) acc[r][c] = splat16(0.f);
+    for (int64_t j = 0; j < Kp; ++j) {
+        u32x16 wv[3];
+        for (int c = 0; c < nv; ++c) wv[c] = *(const u32x16u *)(w + c * cs + j * EW);
+        for (int r = 0; r < mr; ++r) {
+            const uint32_t p = xb[r * Kp + j];
+            const v16 xh = bf16_hi(p), xl = bf16_lo(p);
+            for (int c = 0; c < nv; ++c) acc[r][c] = dot_pair(acc[r][c], wv[c], xh, xl);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) BF16DOT void etile_dot(const int mr, const int nv, const uint32_t *xb,
+                                                                    int64_t Kp, const uint32_t *w, int64_t cs,
+                                                                    v16 acc[MR][3]) {
+    __m512 a[MR][3];
+    for (int r = 0; r < mr; ++r)
+        for (int c = 0; c < 3; ++c) a[r][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Kp; ++j) {
+        __m512i wv[3];
+        for (int c = 0; c < nv; ++c) {
+            __builtin_prefetch((const char *)(w + c * cs + j * EW) + BFDOT_PF);
+            wv[c] = _mm512_loadu_si512(w + c * cs + j * EW);
+        }
+        for (int r = 0; r < mr; ++r) {
+            const __m512i xp = _mm512_set1_epi32((int)xb[r * Kp + j]);
+            for (int c = 0; c < nv; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)wv[c], (__m512bh)xp);
+        }
+    }
+    for (int r = 0; r < mr; ++r)
+        for (int c = 0; c < 3; ++c) acc[r][c] = (v16)a[r][c];
+}
+
+/* One row tile of a group: mr rows of xb against nv column blocks (gated: gate blocks at w, 2 * ps apart,
+ * each up block ps after its gate block; else blocks ps apart), ncols columns into y (rows ldy apart) */
+#define ETILE_BODY(TILEFN)                                                              \
+    v16 acc[MR][3];                                                                     \
+    if (!gated) {                                                                       \
+        TILEFN(mr, nv, xb, Kp, w, ps, acc);                                             \
+    } else {                                                                            \
+        v16 up[MR][3];                                                                  \
+        TILEFN(mr, nv, xb, Kp, w, 2 * ps, acc);                                         \
+        TILEFN(mr, nv, xb, Kp, w + ps, 2 * ps, up);                                     \
+        for (int r = 0; r < mr; ++r)                                                    \
+            for (int c = 0; c < nv; ++c) acc[r][c] = silu16(acc[r][c]) * up[r][c];      \
+    }                                                                                   \
+    store_tile(mr, acc, y, ldy, ncols, 0);
+
+static inline __attribute__((always_inline)) void erow_w(const int mr, const int nv, const uint32_t *xb, int64_t Kp,
+                                                         const uint32_t *w, int64_t ps, int gated, float *y,
+                                                         int64_t ldy, int64_t ncols) {
+    ETILE_BODY(etile_widen)
+}
+
+static inline __attribute__((always_inline)) BF16DOT void erow_d(const int mr, const int nv, const uint32_t *xb,
+                                                                 int64_t Kp, const uint32_t *w, int64_t ps, int gated,
+                                                                 float *y, int64_t ldy, int64_t ncols) {
+    ETILE_BODY(etile_dot)
+}
+
+/* every row tile of n rows (xb, Kp pairs a row) against one chunk of nv blocks: mr and nv as constants */
+#define ECHUNK_BODY(ROWFN)                                                                   \
+    for (int64_t r0 = 0; r0 < n; r0 += MR) {                                                 \
+        const uint32_t *xr = xb + r0 * Kp;                                                   \
+        float *yr = y + r0 * ldy;                                                            \
+        const int mr = n - r0 < MR ? (int)(n - r0) : MR;                                     \
+        switch (mr * 4 + nv) {                                                               \
+        case 8 * 4 + 3: ROWFN(8, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 8 * 4 + 2: ROWFN(8, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 8 * 4 + 1: ROWFN(8, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 7 * 4 + 3: ROWFN(7, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 7 * 4 + 2: ROWFN(7, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 7 * 4 + 1: ROWFN(7, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 6 * 4 + 3: ROWFN(6, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 6 * 4 + 2: ROWFN(6, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 6 * 4 + 1: ROWFN(6, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 5 * 4 + 3: ROWFN(5, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 5 * 4 + 2: ROWFN(5, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 5 * 4 + 1: ROWFN(5, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 4 * 4 + 3: ROWFN(4, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 4 * 4 + 2: ROWFN(4, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 4 * 4 + 1: ROWFN(4, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 3 * 4 + 3: ROWFN(3, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 3 * 4 + 2: ROWFN(3, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 3 * 4 + 1: ROWFN(3, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 2 * 4 + 3: ROWFN(2, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 2 * 4 + 2: ROWFN(2, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 2 * 4 + 1: ROWFN(2, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 1 * 4 + 3: ROWFN(1, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        case 1 * 4 + 2: ROWFN(1, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
+        default: ROWFN(1, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;                   \
+        }                                                                                    \
+    }
+
+static void echunk_widen(const uint32_t *xb, int64_t n, int64_t Kp, const uint32_t *w, int64_t ps, int nv,
+                         int gated, float *y, int64_t ldy, int64_t ncols) {
+    ECHUNK_BODY(erow_w)
+}
+
+static BF16DOT void echunk_dot(const uint32_t *xb, int64_t n, int64_t Kp, const uint32_t *w, int64_t ps, int nv,
+                               int gated, float *y, int64_t ldy, int64_t ncols) {
+    ECHUNK_BODY(erow_d)
+}
+
+/* the tall tile: acc[r] = row r . the 16 columns of the panel w ([Kp][16]) */
+static inline __attribute__((always_inline)) BF16DOT void tall_dot(const int m, const uint32_t *xt, const uint32_t *w,
+                                                                   int64_t Kp, __m512 acc[TMT]) {
+#pragma GCC unroll 32
+    for (int r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Kp; ++j) {
+        __builtin_prefetch((const char *)(w + j * EW) + BFDOT_PF, 0, 1);
+        const __m512i wv = _mm512_loadu_si512(w + j * EW);
+        const uint32_t *xj = xt + j * m;
+#pragma GCC unroll 32
+        for (int r = 0; r < m; ++r)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, (__m512bh)_mm512_set1_epi32((int)xj[r]));
+    }
+}
+
+/* gate/up block (gate panel wg, up panel wu; col0 its first column, ncols of them): h = silu(gate) * up
+ * rounded to pairs into ht, the tile's [Ip][m] block */
+static inline __attribute__((always_inline)) BF16DOT void tall_gated(const int m, const uint32_t *xt, int64_t Hp,
+                                                                     const uint32_t *wg, const uint32_t *wu,
+                                                                     int64_t col0, int64_t ncols, uint32_t *ht) {
+    __m512 acc[TMT];
+    float g[TMT][16];
+    tall_dot(m, xt, wg, Hp, acc);
+    for (int r = 0; r < m; ++r) _mm512_storeu_ps(g[r], acc[r]);
+    tall_dot(m, xt, wu, Hp, acc);
+    const int64_t np = (ncols + 1) / 2;
+    for (int r = 0; r < m; ++r) {
+        float a[16];
+        store16(a, silu16(load16(g[r])) * (v16)acc[r]);
+        for (int64_t q = 0; q < np; ++q)
+            ht[(col0 / 2 + q) * m + r] =
+                (uint32_t)to_bf16(a[2 * q]) | (2 * q + 1 < ncols ? (uint32_t)to_bf16(a[2 * q + 1]) << 16 : 0u);
+    }
+}
+
+/* down block (panel w): out rows, ncols columns each */
+static inline __attribute__((always_inline)) BF16DOT void tall_down(const int m, const uint32_t *ht, int64_t Ip,
+                                                                    const uint32_t *w, float *const *out,
+                                                                    int64_t ncols) {
+    __m512 acc[TMT];
+    tall_dot(m, ht, w, Ip, acc);
+    for (int r = 0; r < m; ++r) {
+        float a[16];
+        _mm512_storeu_ps(a, acc[r]);
+        memcpy(out[r], a, sizeof(float) * (size_t)ncols);
+    }
+}
+
+#define TALL_CASES(X) X(30) X(29) X(28) X(27) X(26) X(25) X(24) X(23) X(22) X(21) X(20) X(19) X(18) X(17) X(16) \
+                      X(15) X(14) X(13) X(12) X(11) X(10)
+
+/* gate/up blocks b0 .. b0 + nv - 1 for every tile of a tall group of n rows at sorted position s0 (its
+ * tiles transposed in xs, tile t0 at xs + (s0 + t0) * Hp), into hb the same way; wgu: the expert's stack */
+static BF16DOT void tall_gated_chunk(int64_t n, int64_t s0, const uint32_t *xs, int64_t Hp, const uint32_t *wgu,
+                                     int64_t b0, int nv, int64_t I, uint32_t *hb, int64_t Ip) {
+    for (int64_t b = b0; b < b0 + nv; ++b) {
+        const uint32_t *wg = wgu + 2 * b * Hp * EW, *wu = wg + Hp * EW;
+        const int64_t col0 = b * EW, ncols = I - col0 < EW ? I - col0 : EW;
+        for (int64_t i = 0; i * TMT < n; ++i) {
+            int64_t t0;
+            const int m = tall_split(n, i, &t0);
+            const uint32_t *xt = xs + (s0 + t0) * Hp;
+            uint32_t *ht = hb + (s0 + t0) * Ip;
+            switch (m) {
+#define GATED(mm) case mm: tall_gated(mm, xt, Hp, wg, wu, col0, ncols, ht); break;
+            TALL_CASES(GATED)
+#undef GATED
+            default: tall_gated(TALL_MIN, xt, Hp, wg, wu, col0, ncols, ht); break; /* (m >= TALL_MIN) */
+            }
+        }
+    }
+}
+
+/* down blocks b0 .. b0 + nv - 1 (wd: the expert's stack) for every tile of a tall group: ys rows */
+static BF16DOT void tall_down_chunk(int64_t n, int64_t s0, const uint32_t *hb, int64_t Ip, const uint32_t *wd,
+                                    int64_t b0, int nv, int64_t H, float *ys) {
+    for (int64_t b = b0; b < b0 + nv; ++b) {
+        const uint32_t *w = wd + b * Ip * EW;
+        const int64_t col0 = b * EW, ncols = H - col0 < EW ? H - col0 : EW;
+        for (int64_t i = 0; i * TMT < n; ++i) {
+            int64_t t0;
+            const int m = tall_split(n, i, &t0);
+            const uint32_t *ht = hb + (s0 + t0) * Ip;
+            float *out[TMT];
+            for (int r = 0; r < m; ++r) out[r] = ys + (s0 + t0 + r) * H + col0;
+            switch (m) {
+#define DOWN(mm) case mm: tall_down(mm, ht, Ip, w, out, ncols); break;
+            TALL_CASES(DOWN)
+#undef DOWN
+            default: tall_down(TALL_MIN, ht, Ip, w, out, ncols); break;
+            }
+        }
+    }
+}
+
+/* Item `it` of one GEMM over the groups (C chunks of up to 3 of the P blocks an expert): group it / C's
+ * rows against chunk it % C of its expert's panels (w, or the extra stack xw past E; `stride` pairs an
+ * expert); in: the rows (Kp pairs a row; a tall group's tiles transposed); gated: into hb (tall) or h
+ * (N columns a row); else into out (N columns a row). Rows in sorted order throughout. */
+static void group_item(int dot, int tall_ok, int gated, int64_t it, int64_t C, int64_t P, const int64_t *gexp,
+                       const int64_t *gstart, int64_t E, const uint32_t *w, const uint32_t *xw, int64_t stride,
+                       const uint32_t *in, int64_t Kp, float *out, int64_t N, uint32_t *hb, int64_t Ip) {
+    const int64_t g = it / C, q = it % C, e = gexp[g], s0 = gstart[g], n = gstart[g + 1] - s0;
+    const uint32_t *we = e < E ? w + e * stride : xw + (e - E) * stride;
+    const int64_t b0 = 3 * q;
+    const int nv = P - b0 < 3 ? (int)(P - b0) : 3;
+    if (tall_group(tall_ok, n)) {
+        if (gated)
+            tall_gated_chunk(n, s0, in, Kp, we, b0, nv, N, hb, Ip);
+        else
+            tall_down_chunk(n, s0, in, Kp, we, b0, nv, N, out);
+        return;
+    }
+    const int64_t ps = Kp * EW, ncols = N - b0 * EW < nv * EW ? N - b0 * EW : nv * EW;
+    const uint32_t *wc = we + (gated ? 2 : 1) * b0 * ps;
     if (dot)
-        panel_dot(in + s0 * Kp, n, Kp, wp, p, gated, out + s0 * N, N, ncols, 0);
+        echunk_dot(in + s0 * Kp, n, Kp, wc, ps, nv, gated, out + s0 * N + b0 * EW, N, ncols);
     else
-        panel_widen(in + s0 * Kp, n, Kp, wp, p, gated, out + s0 * N, N, ncols, 0);
+        echunk_widen(in + s0 * Kp, n, Kp, wc, ps, nv, gated, out + s0 * N + b0 * EW, N, ncols);
 }
 
 /* x: [T, H] rows ldx apart; idx: [T, k] ids in [0, E + xE): below E the stack gu / down, the others the
@@ -267,8 +522,9 @@ int di_moe_experts_bf16dot(const float *x, int64_t ldx, int64_t T, int64_t k, co
     const int64_t Eall = E + (xgu16 && xdown16 ? xE : 0);
     for (int64_t i = 0; i < R; ++i)
         if (idx[i] < 0 || idx[i] >= Eall) return -1;
-    const int64_t Hp = (H + 1) / 2, Ip = (I + 1) / 2, Pg = (I + NR - 1) / NR, Pd = (H + NR - 1) / NR;
-    const int64_t gstride = 2 * Pg * Hp * NR, dstride = Pd * Ip * NR; /* uint32 pairs per expert */
+    const int64_t Hp = (H + 1) / 2, Ip = (I + 1) / 2, Pg = (I + EW - 1) / EW, Pd = (H + EW - 1) / EW;
+    const int64_t Cg = (Pg + 2) / 3, Cd = (Pd + 2) / 3;                   /* chunks of up to 3 blocks */
+    const int64_t gstride = 2 * Pg * Hp * EW, dstride = Pd * Ip * EW; /* uint32 pairs per expert */
     int64_t *count = calloc((size_t)Eall + 1, sizeof(int64_t));
     int64_t *pair = malloc(sizeof(int64_t) * (size_t)R); /* sorted position -> t * k + j */
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)R);  /* t * k + j -> sorted position */
@@ -286,18 +542,40 @@ int di_moe_experts_bf16dot(const float *x, int64_t ldx, int64_t T, int64_t k, co
     const uint32_t *gu = (const uint32_t *)gu16, *dn = (const uint32_t *)down16;
     const uint32_t *xgu = (const uint32_t *)xgu16, *xdn = (const uint32_t *)xdown16;
     const int dot = di_gemm_bf16dot_level();
+    const int tall_ok = dot && di_bf16dot_tall_on;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) round_row(x + t * ldx, H, xb + t * Hp);
+        /* each pair's x row in sorted order: a tall group's transposed, a tile at a time */
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < R; ++s) memcpy(xs + s * Hp, xb + pair[s] / k * Hp, sizeof(uint32_t) * (size_t)Hp);
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t s0 = gstart[g], n = gstart[g + 1] - s0;
+            if (!tall_group(tall_ok, n)) {
+                for (int64_t s = s0; s < s0 + n; ++s) memcpy(xs + s * Hp, xb + pair[s] / k * Hp, sizeof(uint32_t) * (size_t)Hp);
+                continue;
+            }
+            for (int64_t i = 0; i * TMT < n; ++i) {
+                int64_t t0;
+                const int m = tall_split(n, i, &t0);
+                const void *src[TMT];
+                for (int r = 0; r < m; ++r) src[r] = xb + pair[s0 + t0 + r] / k * Hp;
+                transpose_rows32(src, m, Hp, xs + (s0 + t0) * Hp);
+            }
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < G * Pg; ++it) group_item(dot, it, Pg, gexp, gstart, E, gu, xgu, gstride, xs, Hp, 1, h, I);
+        for (int64_t it = 0; it < G * Cg; ++it)
+            group_item(dot, tall_ok, 1, it, Cg, Pg, gexp, gstart, E, gu, xgu, gstride, xs, Hp, h, I, hb, Ip);
+        /* the other groups' h rounded to pairs (a tall group's is in hb already) */
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < R; ++s) round_row(h + s * I, I, hb + s * Ip);
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t s0 = gstart[g], n = gstart[g + 1] - s0;
+            if (!tall_group(tall_ok, n))
+                for (int64_t s = s0; s < s0 + n; ++s) round_row(h + s * I, I, hb + s * Ip);
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < G * Pd; ++it) group_item(dot, it, Pd, gexp, gstart, E, dn, xdn, dstride, hb, Ip, 0, ys, H);
+        for (int64_t it = 0; it < G * Cd; ++it)
+            group_item(dot, tall_ok, 0, it, Cd, Pd, gexp, gstart, E, dn, xdn, dstride, hb, Ip, ys, H, 0, 0);
         if (wts) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; ++t) di_moe_combine_rows(ys, H, pos, t, t + 1, k, wts, add, ldadd, out, ldo, H);

@@ -270,9 +270,11 @@ def _dense_bf16_dot(x, idx, gu, down):
     return out
 
 
-# sizes off the 48-column panel and the 8-row tile, odd H and I (a zero-padded last pair), one token,
-# an expert with many rows
-@pytest.mark.parametrize("E,H,I,T,k", [(8, 200, 70, 13, 3), (4, 97, 131, 1, 2), (6, 96, 48, 40, 2), (3, 64, 33, 30, 1)])
+# sizes off the 16-column panel and the 8-row tile, chunks of 1, 2 and 3 blocks, odd H and I (a
+# zero-padded last pair), one token, groups of 9 .. 32 rows (the tall tile: (6, 96, ...), (4, 97, 131,
+# 60, 2) with odd H and I) and of more (row tiles again: (2, 48, 40, 70, 1))
+@pytest.mark.parametrize("E,H,I,T,k", [(8, 200, 70, 13, 3), (4, 97, 131, 1, 2), (6, 96, 48, 40, 2), (3, 64, 33, 30, 1),
+                                       (4, 97, 131, 60, 2), (2, 48, 40, 70, 1)])
 def test_bf16_dot_experts_are_the_dense_bf16_dot_path_pair_by_pair(E, H, I, T, k):
     gu, down = _experts(E, H, I, seed=E + T)
     g = torch.Generator().manual_seed(T)
@@ -295,10 +297,30 @@ def test_bf16_dot_experts_are_the_dense_bf16_dot_path_pair_by_pair(E, H, I, T, k
     assert torch.equal(moe_gemm.moe_experts(x, idx, packed, weights=w, add=add), _torch_combine(y, w) + add)
 
 
+def test_bf16_dot_tall_tile_gives_the_same_bits_as_row_tiles():
+    # groups of 9 .. 32 rows run on the tall tile (rows transposed, its gated output rounded and stored
+    # transposed for the down GEMM); with it switched off the same groups run on 8-row tiles
+    E, H, I, T, k = 4, 130, 75, 64, 2
+    gu, down = _experts(E, H, I, seed=31)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(32))
+    idx = _routing(T, E, k, seed=33)
+    sizes = torch.bincount(idx.flatten(), minlength=E)
+    assert ((sizes >= 9) & (sizes <= 32)).any() and (sizes > 32).any()  # both kinds of group
+    packed = moe_gemm.pack_experts_bf16_dot(gu, down)
+    tall = moe_gemm.moe_experts(x, idx, packed)
+    moe_gemm.set_bf16_dot_tall(False)
+    try:
+        rows = moe_gemm.moe_experts(x, idx, packed)
+    finally:
+        moe_gemm.set_bf16_dot_tall(True)
+    assert torch.equal(tall, rows)
+    assert torch.equal(tall, _dense_bf16_dot(x, idx, gu, down))
+
+
 def test_bf16_dot_experts_widening_fallback_gives_the_same_bits():
     from deepinfer_kernels import native
 
-    E, H, I, T, k = 6, 130, 70, 21, 2
+    E, H, I, T, k = 6, 130, 70, 45, 2  # groups of ~15 rows: the tall tile against the fallback's row tiles
     gu, down = _experts(E, H, I, seed=5)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(6))
     idx = _routing(T, E, k, seed=7)
