@@ -51,7 +51,15 @@ DeepInfer keeps the routed experts in bf16 as stored (moe_expert_dtype "auto", e
 bits) and computes in fp32. The default (`float32`) is the like-for-like fp32 comparison.
 
 `--bf16-dot` also runs the engine with `dtype="bfloat16"` (bf16 dot products, fp32 accumulation; its
-grouped-kernel GFLOP/s against a dense GEMM in the same arithmetic): also its own column.
+grouped-kernel GFLOP/s against a dense GEMM in the same arithmetic): also its own column. With
+`--checkpoint bfloat16` that column is the bf16-vs-bf16 comparison (transformers computes in bf16).
+2026-12-04, after the bf16-dot experts moved to 16-column panels and a tall tile (best of 3 / paired,
+batch 32 / 128): Qwen3 4.05 / 3.00x of transformers' bf16 (its runs 309-328 and 690-771 tok/s), V3
+3.30 / 2.72x; before that change the same run gave Qwen3 3.11 / 2.70x. The grouped bf16-dot kernel
+printed 213 GFLOP/s (0.63 of the dense engine linear) in that run, but 278-292 (0.80-0.83 of dense,
+348-353) in a process holding only the bf16-dot engine: in this script's process (transformers and
+two more engines loaded first) it runs slower, cause not found yet (huge pages for the panels are
+a suspect).
 `--bf16-experts` also runs the engine with `moe_expert_dtype="bfloat16"` (the routed experts' packed
 weights in bf16, widened exactly, fp32 accumulation; everything else fp32) against the same fp32
 transformers: a precision choice, so it is its own column, never the headline ratio.
