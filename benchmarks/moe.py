@@ -57,9 +57,9 @@ grouped-kernel GFLOP/s against a dense GEMM in the same arithmetic): also its ow
 batch 32 / 128): Qwen3 4.05 / 3.00x of transformers' bf16 (its runs 309-328 and 690-771 tok/s), V3
 3.30 / 2.72x; before that change the same run gave Qwen3 3.11 / 2.70x. The grouped bf16-dot kernel
 printed 213 GFLOP/s (0.63 of the dense engine linear) in that run, but 278-292 (0.80-0.83 of dense,
-348-353) in a process holding only the bf16-dot engine: in this script's process (transformers and
-two more engines loaded first) it runs slower, cause not found yet (huge pages for the panels are
-a suspect).
+348-353) in a process holding only the bf16-dot engine, and 294-299 (0.83) in one that loaded
+transformers and the default engine and ran a generate first: why this script's measurement reads
+lower is not found yet.
 `--bf16-experts` also runs the engine with `moe_expert_dtype="bfloat16"` (the routed experts' packed
 weights in bf16, widened exactly, fp32 accumulation; everything else fp32) against the same fp32
 transformers: a precision choice, so it is its own column, never the headline ratio.
