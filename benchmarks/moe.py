@@ -53,13 +53,12 @@ bits) and computes in fp32. The default (`float32`) is the like-for-like fp32 co
 `--bf16-dot` also runs the engine with `dtype="bfloat16"` (bf16 dot products, fp32 accumulation; its
 grouped-kernel GFLOP/s against a dense GEMM in the same arithmetic): also its own column. With
 `--checkpoint bfloat16` that column is the bf16-vs-bf16 comparison (transformers computes in bf16).
-2026-12-04, after the bf16-dot experts moved to 16-column panels and a tall tile (best of 3 / paired,
-batch 32 / 128): Qwen3 4.05 / 3.00x of transformers' bf16 (its runs 309-328 and 690-771 tok/s), V3
-3.30 / 2.72x; before that change the same run gave Qwen3 3.11 / 2.70x. The grouped bf16-dot kernel
-printed 213 GFLOP/s (0.63 of the dense engine linear) in that run, but 278-292 (0.80-0.83 of dense,
-348-353) in a process holding only the bf16-dot engine, and 294-299 (0.83) in one that loaded
-transformers and the default engine and ran a generate first: why this script's measurement reads
-lower is not found yet.
+2026-12-04, after the bf16-dot experts moved to 16-column panels, a tall tile and ~1 MiB items (best
+of 3, batch 1 / 8 / 32 / 128, --checkpoint bfloat16 --bf16-dot): Qwen3 6.42 / 3.91 / 3.59 / 2.83x
+transformers' bf16 (its batch-128 runs 650-880 tok/s), V3 3.41 / 3.14 / 3.14 / 3.39x; the grouped
+bf16-dot kernel 0.92 (Qwen3) and 0.82 (V3) of the dense engine linear. Before that change, Qwen3 at
+batch 32 / 128: 3.11 / 2.70x. (One earlier run of this script printed the grouped bf16-dot rate at
+0.63 of dense, against 0.80-0.83 in a separate process at the time; not seen again.)
 `--bf16-experts` also runs the engine with `moe_expert_dtype="bfloat16"` (the routed experts' packed
 weights in bf16, widened exactly, fp32 accumulation; everything else fp32) against the same fp32
 transformers: a precision choice, so it is its own column, never the headline ratio.
