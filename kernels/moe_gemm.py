@@ -97,35 +97,27 @@ class PackedExperts:
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _panels(w: torch.Tensor, nr: int) -> torch.Tensor:
-    """[E, N, K] -> [E, ceil(N / nr), K, nr], zero-padded past N."""
+def _panels(w: torch.Tensor, nr: int, pairs: bool = False) -> torch.Tensor:
+    """[E, N, K] -> [E, ceil(N / nr), K, nr], zero-padded past N; pairs (bf16 dot products):
+    [E, ceil(N / nr), ceil(K / 2), nr, 2], rows k and k + 1 of each column side by side, K padded to even."""
     e, n, k = w.shape
     p = -(-n // nr)
     if p * nr != n:
         w = torch.cat([w, w.new_zeros(e, p * nr - n, k)], 1)
-    return w.reshape(e, p, nr, k).transpose(2, 3).contiguous()
-
-
-BF16_DOT_PANEL = 16  # columns of a bf16-dot expert panel (csrc/gemm_bf16dot.c, EW)
-
-
-def _pair_panels(w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] bf16 -> [E, ceil(N / 16), ceil(K / 2), 16, 2]: rows k and k + 1 of each column side by
-    side, zero-padded past N and to an even K."""
-    e, n, k = w.shape
-    nr = BF16_DOT_PANEL
-    p = -(-n // nr)
-    if p * nr != n:
-        w = torch.cat([w, w.new_zeros(e, p * nr - n, k)], 1)
+    if not pairs:
+        return w.reshape(e, p, nr, k).transpose(2, 3).contiguous()
     if k % 2:
         w = torch.cat([w, w.new_zeros(e, p * nr, 1)], 2)
     return w.reshape(e, p, nr, -1, 2).transpose(2, 3).contiguous()
 
 
-def _pair_rows(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """_pair_panels' inverse, widened to fp32: [E, P, Kp, 16, 2] -> [E, n, k]."""
-    e, p, kp, nr, _ = panels.shape
-    return panels.transpose(2, 3).reshape(e, p * nr, 2 * kp)[:, :n, :k].float()
+def _rows(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """_panels' inverse (either layout): [E, n, k] in the panels' dtype."""
+    e, p, _, nr = panels.shape[:4]
+    return panels.transpose(2, 3).reshape(e, p * nr, -1)[:, :n, :k]
+
+
+BF16_DOT_PANEL = 16  # columns of a bf16-dot expert panel (csrc/gemm_bf16dot.c, EW)
 
 
 def _check_stack(name: str, w: torch.Tensor) -> None:
@@ -175,30 +167,20 @@ def pack_experts_bf16_dot(gate_up: torch.Tensor, down: torch.Tensor, huge: bool 
     e, i2, h = _check_pair("pack_experts_bf16_dot", gate_up, down)
     i = i2 // 2
     gu16, d16 = native.to_bf16_dot(gate_up), native.to_bf16_dot(down)
-    gu = torch.stack([_pair_panels(gu16[:, :i]), _pair_panels(gu16[:, i:])], 2).flatten(1, 2).contiguous()
-    d = _pair_panels(d16)
+    nr = BF16_DOT_PANEL
+    gu = torch.stack([_panels(gu16[:, :i], nr, True), _panels(gu16[:, i:], nr, True)], 2).flatten(1, 2).contiguous()
+    d = _panels(d16, nr, True)
     if huge:
         gu, d = huge_pages.copy(gu), huge_pages.copy(d)
-    return PackedExperts(gu, d, e, h, i2 // 2, bf16_dot=True)
+    return PackedExperts(gu, d, e, h, i, bf16_dot=True)
 
 
 def unpack_experts(packed: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 stacks gate_up [E, 2I, H] and down [E, H, I] that `packed` holds (bf16 panels: their
     exact fp32 values), so the packed copy can be the only one kept."""
-    if packed.bf16_dot:
-        i, h, gu = packed.inter, packed.hidden, packed.gate_up
-        return torch.cat([_pair_rows(gu[:, 0::2], i, h), _pair_rows(gu[:, 1::2], i, h)], 1).contiguous(), \
-            _pair_rows(packed.down, h, i).contiguous()
-
-    def rows(panels: torch.Tensor, n: int) -> torch.Tensor:  # [E, P, K, nr] -> [E, n, K]
-        e, p, k, nr = panels.shape
-        return panels.transpose(2, 3).reshape(e, p * nr, k)[:, :n]
-
-    e, i, h = packed.num_experts, packed.inter, packed.hidden
-    gu = packed.gate_up.float()
-    gu = gu.view(e, gu.shape[1] // 2, 2, h, gu.shape[3])
-    gate_up = torch.cat([rows(gu[:, :, 0], i), rows(gu[:, :, 1], i)], 1).contiguous()
-    return gate_up, rows(packed.down.float(), h).contiguous()
+    i, h, gu = packed.inter, packed.hidden, packed.gate_up  # gate panels at even indices, up panels odd
+    gate_up = torch.cat([_rows(gu[:, 0::2], i, h), _rows(gu[:, 1::2], i, h)], 1)
+    return gate_up.float().contiguous(), _rows(packed.down, h, i).float().contiguous()
 
 
 def experts_kernel(packed: PackedExperts) -> str:

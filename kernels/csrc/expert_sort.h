@@ -1,5 +1,6 @@
-/* The grouped expert kernels' stable counting sort of (token, slot) pairs by expert (moe_gemm.c,
- * gemm_bf16dot.c's di_moe_experts_bf16dot). */
+/* What the grouped expert kernels (moe_gemm.c, gemm_bf16dot.c's di_moe_experts_bf16dot) share: the
+ * stable counting sort of (token, slot) pairs by expert, and the near-equal splits of a group's rows
+ * into tiles and of an expert's panels into items. */
 #ifndef DEEPINFER_EXPERT_SORT_H
 #define DEEPINFER_EXPERT_SORT_H
 #include <stdint.h>
@@ -26,5 +27,17 @@ static inline int64_t sort_by_expert(const int64_t *idx, int64_t R, int64_t E, i
         if (pos) pos[i] = s;
     }
     return G;
+}
+
+/* n things (rows, panels) in `parts` parts of near-equal size: part i starts at *start; returns its size */
+static inline int split_parts(int64_t n, int64_t parts, int64_t i, int64_t *start) {
+    const int64_t base = n / parts, extra = n % parts;
+    *start = i * base + (i < extra ? i : extra);
+    return (int)(base + (i < extra));
+}
+
+/* the same in ceil(n / most) parts (each at most `most`) */
+static inline int split_even(int64_t n, int64_t most, int64_t i, int64_t *start) {
+    return split_parts(n, (n + most - 1) / most, i, start);
 }
 #endif

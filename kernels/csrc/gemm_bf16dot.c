@@ -88,104 +88,130 @@ static inline __attribute__((always_inline)) v16 bf16_hi(uint32_t p) {
     return splat16(f);
 }
 
-/* acc[r][0..2] = xb[r, :] . panel w (Kp pairs, in order), without AVX512_BF16 */
-static inline __attribute__((always_inline)) void tile_widen(const int mr, const uint32_t *xb, int64_t Kp,
-                                                             const uint32_t *w, v16 acc[MR][3]) {
+/* acc[r][c] for c < nv (the others zero): row r of xb (mr rows, Kp pairs a row) . column block c, whose
+ * pair row j is the 16 pairs at w + j * rs + c * cs (Kp of them, in order): the dense GEMM's 48-column
+ * panels are rs = 48, cs = 16, nv = 3; the grouped experts' 16-column panels rs = 16, cs = a panel's
+ * length (see di_moe_experts_bf16dot). Without AVX512_BF16. */
+static inline __attribute__((always_inline)) void tile_widen(const int mr, const int nv, const uint32_t *xb,
+                                                             int64_t Kp, const uint32_t *w, int64_t rs, int64_t cs,
+                                                             v16 acc[MR][3]) {
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = splat16(0.f);
     for (int64_t j = 0; j < Kp; ++j) {
-        const uint32_t *wj = w + j * NR;
-        const u32x16 w0 = *(const u32x16u *)wj, w1 = *(const u32x16u *)(wj + 16), w2 = *(const u32x16u *)(wj + 32);
+        u32x16 wv[3];
+        for (int c = 0; c < nv; ++c) wv[c] = *(const u32x16u *)(w + j * rs + c * cs);
         for (int r = 0; r < mr; ++r) {
             const uint32_t p = xb[r * Kp + j];
             const v16 xh = bf16_hi(p), xl = bf16_lo(p);
-            acc[r][0] = dot_pair(acc[r][0], w0, xh, xl);
-            acc[r][1] = dot_pair(acc[r][1], w1, xh, xl);
-            acc[r][2] = dot_pair(acc[r][2], w2, xh, xl);
+            for (int c = 0; c < nv; ++c) acc[r][c] = dot_pair(acc[r][c], wv[c], xh, xl);
         }
     }
 }
 
 #define BF16DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-/* the same with vdpbf16ps */
-static inline __attribute__((always_inline)) BF16DOT void tile_dot(const int mr, const uint32_t *xb, int64_t Kp,
-                                                                   const uint32_t *w, v16 acc[MR][3]) {
+/* the same with vdpbf16ps, each block's stream prefetched BFDOT_PF ahead */
+static inline __attribute__((always_inline)) BF16DOT void tile_dot(const int mr, const int nv, const uint32_t *xb,
+                                                                   int64_t Kp, const uint32_t *w, int64_t rs,
+                                                                   int64_t cs, v16 acc[MR][3]) {
     __m512 a[MR][3];
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) a[r][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < Kp; ++j) {
-        const uint32_t *wj = w + j * NR;
-        __builtin_prefetch((const char *)wj + BFDOT_PF);
-        __builtin_prefetch((const char *)wj + BFDOT_PF + 64);
-        __builtin_prefetch((const char *)wj + BFDOT_PF + 128);
-        const __m512i w0 = _mm512_loadu_si512(wj), w1 = _mm512_loadu_si512(wj + 16), w2 = _mm512_loadu_si512(wj + 32);
+        __m512i wv[3];
+        for (int c = 0; c < nv; ++c) {
+            __builtin_prefetch((const char *)(w + j * rs + c * cs) + BFDOT_PF);
+            wv[c] = _mm512_loadu_si512(w + j * rs + c * cs);
+        }
         for (int r = 0; r < mr; ++r) {
             const __m512i xp = _mm512_set1_epi32((int)xb[r * Kp + j]);
-            a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)w0, (__m512bh)xp);
-            a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)w1, (__m512bh)xp);
-            a[r][2] = _mm512_dpbf16_ps(a[r][2], (__m512bh)w2, (__m512bh)xp);
+            for (int c = 0; c < nv; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)wv[c], (__m512bh)xp);
         }
     }
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < 3; ++c) acc[r][c] = (v16)a[r][c];
 }
 
-/* One tile: mr rows of xb against panel p (gated: gate panel 2p and up panel 2p + 1). The two bodies
- * differ only in the tile function, so each is this macro expanded with its own target. */
-#define TILE_BODY(TILEFN)                                                                     \
-    v16 acc[MR][3];                                                                           \
-    const int64_t pw = Kp * NR; /* uint32 pairs per panel */                                  \
-    if (!gated) {                                                                             \
-        TILEFN(mr, xb, Kp, wp + p * pw, acc);                                                 \
-        store_tile(mr, acc, y + p * NR, ldy, ncols, bias ? bias + p * NR : 0);                \
-        return;                                                                               \
-    }                                                                                         \
-    v16 up[MR][3];                                                                            \
-    TILEFN(mr, xb, Kp, wp + 2 * p * pw, acc);                                                 \
-    TILEFN(mr, xb, Kp, wp + (2 * p + 1) * pw, up);                                            \
-    for (int r = 0; r < mr; ++r)                                                              \
-        for (int c = 0; c < 3; ++c) acc[r][c] = silu16(acc[r][c]) * up[r][c];                 \
-    store_tile(mr, acc, y + p * NR, ldy, ncols, 0);
+/* One row tile: mr rows of xb against nv column blocks at w (gated: those are the gate's, the up's
+ * blocks up_off after them, and the tile is silu(gate) * up), ncols columns into y (rows ldy apart),
+ * + bias (not with gated). The two bodies differ only in the tile function, so each is this macro
+ * expanded with its own target. */
+#define TILE_BODY(TILEFN)                                                                    \
+    v16 acc[MR][3];                                                                          \
+    TILEFN(mr, nv, xb, Kp, w, rs, cs, acc);                                                  \
+    if (gated) {                                                                             \
+        v16 up[MR][3];                                                                       \
+        TILEFN(mr, nv, xb, Kp, w + up_off, rs, cs, up);                                      \
+        for (int r = 0; r < mr; ++r)                                                         \
+            for (int c = 0; c < nv; ++c) acc[r][c] = silu16(acc[r][c]) * up[r][c];           \
+    }                                                                                        \
+    store_tile(mr, acc, y, ldy, ncols, bias);
 
-static inline __attribute__((always_inline)) void tile_w(const int mr, const uint32_t *xb, int64_t Kp,
-                                                         const uint32_t *wp, int64_t p, int gated, float *y,
-                                                         int64_t ldy, int64_t ncols, const float *bias) {
-    TILE_BODY(tile_widen)
-}
+#define TILE_ARGS                                                                                            \
+    const int mr, const int nv, const uint32_t *xb, int64_t Kp, const uint32_t *w, int64_t rs, int64_t cs,  \
+        int64_t up_off, int gated, float *y, int64_t ldy, int64_t ncols, const float *bias
 
-static inline __attribute__((always_inline)) BF16DOT void tile_d(const int mr, const uint32_t *xb, int64_t Kp,
-                                                                 const uint32_t *wp, int64_t p, int gated,
-                                                                 float *y, int64_t ldy, int64_t ncols,
-                                                                 const float *bias) {
-    TILE_BODY(tile_dot)
-}
+static inline __attribute__((always_inline)) void tile_w(TILE_ARGS) { TILE_BODY(tile_widen) }
 
-/* every tile of panel p: rows in tiles of MR, the last one shorter */
-#define PANEL_BODY(TILE)                                                                     \
-    for (int64_t r0 = 0; r0 < M; r0 += MR) {                                                 \
-        const uint32_t *xr = xb + r0 * Kp;                                                   \
-        float *yr = y + r0 * ldy;                                                            \
-        switch (M - r0 < MR ? (int)(M - r0) : MR) {                                          \
-        case 8: TILE(8, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                  \
-        case 7: TILE(7, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                  \
-        case 6: TILE(6, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                  \
-        case 5: TILE(5, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                  \
-        case 4: TILE(4, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                  \
-        case 3: TILE(3, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                  \
-        case 2: TILE(2, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                  \
-        default: TILE(1, xr, Kp, wp, p, gated, yr, ldy, ncols, bias); break;                 \
-        }                                                                                    \
+static inline __attribute__((always_inline)) BF16DOT void tile_d(TILE_ARGS) { TILE_BODY(tile_dot) }
+
+/* every row tile of M rows (the last one shorter) against the same blocks: each (rows, blocks) shape
+ * its own unrolled copy (always inlined, so a caller's constant strides and block count fold in) */
+#define ROWS_BODY(TILE)                                                                                 \
+    for (int64_t r0 = 0; r0 < M; r0 += MR) {                                                            \
+        const uint32_t *xr = xb + r0 * Kp;                                                              \
+        float *yr = y + r0 * ldy;                                                                       \
+        const int mr = M - r0 < MR ? (int)(M - r0) : MR;                                                \
+        switch (mr * 4 + nv) {                                                                          \
+        case 8 * 4 + 3: TILE(8, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 8 * 4 + 2: TILE(8, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 8 * 4 + 1: TILE(8, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 7 * 4 + 3: TILE(7, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 7 * 4 + 2: TILE(7, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 7 * 4 + 1: TILE(7, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 6 * 4 + 3: TILE(6, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 6 * 4 + 2: TILE(6, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 6 * 4 + 1: TILE(6, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 5 * 4 + 3: TILE(5, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 5 * 4 + 2: TILE(5, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 5 * 4 + 1: TILE(5, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 4 * 4 + 3: TILE(4, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 4 * 4 + 2: TILE(4, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 4 * 4 + 1: TILE(4, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 3 * 4 + 3: TILE(3, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 3 * 4 + 2: TILE(3, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 3 * 4 + 1: TILE(3, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 2 * 4 + 3: TILE(2, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 2 * 4 + 2: TILE(2, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 2 * 4 + 1: TILE(2, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 1 * 4 + 3: TILE(1, 3, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        case 1 * 4 + 2: TILE(1, 2, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;       \
+        default: TILE(1, 1, xr, Kp, w, rs, cs, up_off, gated, yr, ldy, ncols, bias); break;              \
+        }                                                                                               \
     }
+
+#define ROWS_ARGS                                                                                        \
+    const uint32_t *xb, int64_t M, int64_t Kp, const uint32_t *w, int64_t rs, int64_t cs, int64_t up_off, \
+        int nv, int gated, float *y, int64_t ldy, int64_t ncols, const float *bias
+
+static inline __attribute__((always_inline)) void rows_w(ROWS_ARGS) { ROWS_BODY(tile_w) }
+
+static inline __attribute__((always_inline)) BF16DOT void rows_d(ROWS_ARGS) { ROWS_BODY(tile_d) }
+
+/* the dense GEMM's panel p (48 columns; gated: gate panel 2p, up panel 2p + 1) for all M rows */
+#define PANEL_CALL(ROWS)                                                                                   \
+    const int64_t pw = Kp * NR; /* uint32 pairs per panel */                                               \
+    ROWS(xb, M, Kp, wp + (gated ? 2 : 1) * p * pw, NR, 16, pw, 3, gated, y + p * NR, ldy, ncols,          \
+         !gated && bias ? bias + p * NR : 0);
 
 static void panel_widen(const uint32_t *xb, int64_t M, int64_t Kp, const uint32_t *wp, int64_t p, int gated,
                         float *y, int64_t ldy, int64_t ncols, const float *bias) {
-    PANEL_BODY(tile_w)
+    PANEL_CALL(rows_w)
 }
 
 static BF16DOT void panel_dot(const uint32_t *xb, int64_t M, int64_t Kp, const uint32_t *wp, int64_t p, int gated,
                               float *y, int64_t ldy, int64_t ncols, const float *bias) {
-    PANEL_BODY(tile_d)
+    PANEL_CALL(rows_d)
 }
 
 /* 1: vdpbf16ps, 0: the widening fallback; di_gemm_bf16dot_set_cap(0) forces the fallback (tests) */
@@ -232,8 +258,8 @@ int di_gemm_bf16dot(const float *x, int64_t ldx, int64_t M, const uint16_t *wp16
  * output one vdpbf16ps chain over the pairs in order, as in the GEMM above (so a pair's result depends
  * only on its token and expert, whatever the batch, and equals the dense GEMM's on the same weights).
  * In one call: a stable counting sort of the pairs by expert, x rounded once per token and copied to
- * its pairs' rows in expert order, items of up to 3 column blocks of one expert for gate/up and then
- * for down, and the slot combine.
+ * its pairs' rows in expert order, items of one expert's column blocks (runs_of below) for gate/up and
+ * then for down, and the slot combine.
  *
  * Weights (kernels/moe_gemm.py, pack_experts_bf16_dot): 16-column pair panels, [Kp][16] pairs each
  * (row j: pairs 2j, 2j + 1 of 16 output columns, zero-padded past N and past an odd K); per expert the
@@ -254,7 +280,7 @@ int di_gemm_bf16dot(const float *x, int64_t ldx, int64_t M, const uint16_t *wp16
  *   from memory for the first tile and from cache for the next, and the stream idled meanwhile:
  *   moe_gemm.c's fp32 kernel made the same change, see its header.) Only with AVX512_BF16.
  * - otherwise (a few rows, or a shared expert's / a prefill's many): row tiles of MR rows x up to 3
- *   blocks, as the GEMM above.
+ *   blocks, the GEMM above's tiles on this layout.
  *
  * Combine (wts given): out[t] = sum over j in order of wts[t, j] * y[t * k + j] (each product rounded,
  * then added), + add[t]: moe_gemm.c's combine_rows, called through di_moe_combine_rows. */
@@ -274,120 +300,16 @@ void di_bf16dot_set_tall(int on) { di_bf16dot_tall_on = on != 0; }
 
 static inline int tall_group(int tall_ok, int64_t n) { return tall_ok && n >= TALL_MIN && n <= TALL_MAX; }
 
-/* n rows in ceil(n / TMT) tiles of near-equal size: tile i starts at *start */
-static inline int tall_split(int64_t n, int64_t i, int64_t *start) {
-    const int64_t parts = (n + TMT - 1) / TMT, base = n / parts, extra = n % parts;
-    *start = i * base + (i < extra ? i : extra);
-    return (int)(base + (i < extra));
+/* n rows of one group against nv of its expert's 16-column blocks (gated: gate blocks at w, each up block
+ * ps after its gate block, the next gate block 2 ps on), ncols columns into y */
+static void expert_rows_widen(const uint32_t *xb, int64_t n, int64_t Kp, const uint32_t *w, int64_t ps, int nv,
+                              int gated, float *y, int64_t ldy, int64_t ncols) {
+    rows_w(xb, n, Kp, w, EW, gated ? 2 * ps : ps, ps, nv, gated, y, ldy, ncols, 0);
 }
 
-/* acc[r][c], c < nv: mr rows of xb (Kp pairs a row) . column block c (the panel at w + c * cs) */
-static inline __attribute__((always_inline)) void etile_widen(const int mr, const int nv, const uint32_t *xb,
-                                                              int64_t Kp, const uint32_t *w, int64_t cs,
-                                                              v16 acc[MR][3]) {
-    for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < 3; ++c) acc[r][c] = splat16(0.f);
-    for (int64_t j = 0; j < Kp; ++j) {
-        u32x16 wv[3];
-        for (int c = 0; c < nv; ++c) wv[c] = *(const u32x16u *)(w + c * cs + j * EW);
-        for (int r = 0; r < mr; ++r) {
-            const uint32_t p = xb[r * Kp + j];
-            const v16 xh = bf16_hi(p), xl = bf16_lo(p);
-            for (int c = 0; c < nv; ++c) acc[r][c] = dot_pair(acc[r][c], wv[c], xh, xl);
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) BF16DOT void etile_dot(const int mr, const int nv, const uint32_t *xb,
-                                                                    int64_t Kp, const uint32_t *w, int64_t cs,
-                                                                    v16 acc[MR][3]) {
-    __m512 a[MR][3];
-    for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < 3; ++c) a[r][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < Kp; ++j) {
-        __m512i wv[3];
-        for (int c = 0; c < nv; ++c) {
-            __builtin_prefetch((const char *)(w + c * cs + j * EW) + BFDOT_PF);
-            wv[c] = _mm512_loadu_si512(w + c * cs + j * EW);
-        }
-        for (int r = 0; r < mr; ++r) {
-            const __m512i xp = _mm512_set1_epi32((int)xb[r * Kp + j]);
-            for (int c = 0; c < nv; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)wv[c], (__m512bh)xp);
-        }
-    }
-    for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < 3; ++c) acc[r][c] = (v16)a[r][c];
-}
-
-/* One row tile of a group: mr rows of xb against nv column blocks (gated: gate blocks at w, 2 * ps apart,
- * each up block ps after its gate block; else blocks ps apart), ncols columns into y (rows ldy apart) */
-#define ETILE_BODY(TILEFN)                                                              \
-    v16 acc[MR][3];                                                                     \
-    if (!gated) {                                                                       \
-        TILEFN(mr, nv, xb, Kp, w, ps, acc);                                             \
-    } else {                                                                            \
-        v16 up[MR][3];                                                                  \
-        TILEFN(mr, nv, xb, Kp, w, 2 * ps, acc);                                         \
-        TILEFN(mr, nv, xb, Kp, w + ps, 2 * ps, up);                                     \
-        for (int r = 0; r < mr; ++r)                                                    \
-            for (int c = 0; c < nv; ++c) acc[r][c] = silu16(acc[r][c]) * up[r][c];      \
-    }                                                                                   \
-    store_tile(mr, acc, y, ldy, ncols, 0);
-
-static inline __attribute__((always_inline)) void erow_w(const int mr, const int nv, const uint32_t *xb, int64_t Kp,
-                                                         const uint32_t *w, int64_t ps, int gated, float *y,
-                                                         int64_t ldy, int64_t ncols) {
-    ETILE_BODY(etile_widen)
-}
-
-static inline __attribute__((always_inline)) BF16DOT void erow_d(const int mr, const int nv, const uint32_t *xb,
-                                                                 int64_t Kp, const uint32_t *w, int64_t ps, int gated,
-                                                                 float *y, int64_t ldy, int64_t ncols) {
-    ETILE_BODY(etile_dot)
-}
-
-/* every row tile of n rows (xb, Kp pairs a row) against one chunk of nv blocks: mr and nv as constants */
-#define ECHUNK_BODY(ROWFN)                                                                   \
-    for (int64_t r0 = 0; r0 < n; r0 += MR) {                                                 \
-        const uint32_t *xr = xb + r0 * Kp;                                                   \
-        float *yr = y + r0 * ldy;                                                            \
-        const int mr = n - r0 < MR ? (int)(n - r0) : MR;                                     \
-        switch (mr * 4 + nv) {                                                               \
-        case 8 * 4 + 3: ROWFN(8, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 8 * 4 + 2: ROWFN(8, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 8 * 4 + 1: ROWFN(8, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 7 * 4 + 3: ROWFN(7, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 7 * 4 + 2: ROWFN(7, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 7 * 4 + 1: ROWFN(7, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 6 * 4 + 3: ROWFN(6, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 6 * 4 + 2: ROWFN(6, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 6 * 4 + 1: ROWFN(6, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 5 * 4 + 3: ROWFN(5, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 5 * 4 + 2: ROWFN(5, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 5 * 4 + 1: ROWFN(5, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 4 * 4 + 3: ROWFN(4, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 4 * 4 + 2: ROWFN(4, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 4 * 4 + 1: ROWFN(4, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 3 * 4 + 3: ROWFN(3, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 3 * 4 + 2: ROWFN(3, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 3 * 4 + 1: ROWFN(3, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 2 * 4 + 3: ROWFN(2, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 2 * 4 + 2: ROWFN(2, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 2 * 4 + 1: ROWFN(2, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 1 * 4 + 3: ROWFN(1, 3, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        case 1 * 4 + 2: ROWFN(1, 2, xr, Kp, w, ps, gated, yr, ldy, ncols); break;            \
-        default: ROWFN(1, 1, xr, Kp, w, ps, gated, yr, ldy, ncols); break;                   \
-        }                                                                                    \
-    }
-
-static void echunk_widen(const uint32_t *xb, int64_t n, int64_t Kp, const uint32_t *w, int64_t ps, int nv,
-                         int gated, float *y, int64_t ldy, int64_t ncols) {
-    ECHUNK_BODY(erow_w)
-}
-
-static BF16DOT void echunk_dot(const uint32_t *xb, int64_t n, int64_t Kp, const uint32_t *w, int64_t ps, int nv,
-                               int gated, float *y, int64_t ldy, int64_t ncols) {
-    ECHUNK_BODY(erow_d)
+static BF16DOT void expert_rows_dot(const uint32_t *xb, int64_t n, int64_t Kp, const uint32_t *w, int64_t ps, int nv,
+                                    int gated, float *y, int64_t ldy, int64_t ncols) {
+    rows_d(xb, n, Kp, w, EW, gated ? 2 * ps : ps, ps, nv, gated, y, ldy, ncols, 0);
 }
 
 /* the tall tile: acc[r] = row r . the 16 columns of the panel w ([Kp][16]) */
@@ -450,7 +372,7 @@ static BF16DOT void tall_gated_chunk(int64_t n, int64_t s0, const uint32_t *xs, 
         const int64_t col0 = b * EW, ncols = I - col0 < EW ? I - col0 : EW;
         for (int64_t i = 0; i * TMT < n; ++i) {
             int64_t t0;
-            const int m = tall_split(n, i, &t0);
+            const int m = split_even(n, TMT, i, &t0);
             const uint32_t *xt = xs + (s0 + t0) * Hp;
             uint32_t *ht = hb + (s0 + t0) * Ip;
             switch (m) {
@@ -471,7 +393,7 @@ static BF16DOT void tall_down_chunk(int64_t n, int64_t s0, const uint32_t *hb, i
         const int64_t col0 = b * EW, ncols = H - col0 < EW ? H - col0 : EW;
         for (int64_t i = 0; i * TMT < n; ++i) {
             int64_t t0;
-            const int m = tall_split(n, i, &t0);
+            const int m = split_even(n, TMT, i, &t0);
             const uint32_t *ht = hb + (s0 + t0) * Ip;
             float *out[TMT];
             for (int r = 0; r < m; ++r) out[r] = ys + (s0 + t0 + r) * H + col0;
@@ -495,7 +417,9 @@ static void group_item(int dot, int tall_ok, int gated, int64_t g, int64_t q, in
                        int64_t Ip) {
     const int64_t e = gexp[g], s0 = gstart[g], n = gstart[g + 1] - s0;
     const uint32_t *we = e < E ? w + e * stride : xw + (e - E) * stride;
-    const int64_t first = q * (P / C) + (q < P % C ? q : P % C), end = first + P / C + (q < P % C);
+    int64_t first;
+    const int size = split_parts(P, C, q, &first);
+    const int64_t end = first + size;
     const int64_t ps = Kp * EW;
     for (int64_t b0 = first; b0 < end; b0 += 3) {
         const int nv = end - b0 < 3 ? (int)(end - b0) : 3;
@@ -509,9 +433,9 @@ static void group_item(int dot, int tall_ok, int gated, int64_t g, int64_t q, in
         const int64_t ncols = N - b0 * EW < nv * EW ? N - b0 * EW : nv * EW;
         const uint32_t *wc = we + (gated ? 2 : 1) * b0 * ps;
         if (dot)
-            echunk_dot(in + s0 * Kp, n, Kp, wc, ps, nv, gated, out + s0 * N + b0 * EW, N, ncols);
+            expert_rows_dot(in + s0 * Kp, n, Kp, wc, ps, nv, gated, out + s0 * N + b0 * EW, N, ncols);
         else
-            echunk_widen(in + s0 * Kp, n, Kp, wc, ps, nv, gated, out + s0 * N + b0 * EW, N, ncols);
+            expert_rows_widen(in + s0 * Kp, n, Kp, wc, ps, nv, gated, out + s0 * N + b0 * EW, N, ncols);
     }
 }
 
@@ -606,7 +530,7 @@ int di_moe_experts_bf16dot(const float *x, int64_t ldx, int64_t T, int64_t k, co
             }
             for (int64_t i = 0; i * TMT < n; ++i) {
                 int64_t t0;
-                const int m = tall_split(n, i, &t0);
+                const int m = split_even(n, TMT, i, &t0);
                 const void *src[TMT];
                 for (int r = 0; r < m; ++r) src[r] = xb + pair[s0 + t0 + r] / k * Hp;
                 transpose_rows32(src, m, Hp, xs + (s0 + t0) * Hp);

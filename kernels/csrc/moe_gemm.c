@@ -387,13 +387,6 @@ static inline __attribute__((always_inline)) void down_tile(const int m, const f
 #define TILE_CASES(X) X(12) X(11) X(10) X(9) X(8) X(7) X(6) X(5) X(4) X(3) X(2)
 #endif
 
-/* n things (rows, panels) in ceil(n / most) parts of near-equal size: part i starts at *start */
-static inline int split_even(int64_t n, int64_t most, int64_t i, int64_t *start) {
-    const int64_t parts = (n + most - 1) / most, base = n / parts, extra = n % parts;
-    *start = i * base + (i < extra ? i : extra);
-    return (int)(base + (i < extra));
-}
-
 #ifndef MOE_BF16
 int di_moe_nr(void) { return VW; }
 #endif
