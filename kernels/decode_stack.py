@@ -1,5 +1,6 @@
 """The native decode stack (csrc/decode_stack.c): every decoder layer of a Llama / Qwen2 / Qwen3 model,
-dense or with Qwen-style MoE layers, for a batch of few query tokens (up to `max_rows`: decodes, drafts
+dense or with Qwen-style MoE layers, or of a DeepSeek-V2 / V3 model (latent attention, `StackMla`; MoE
+layers with a shared expert), for a batch of few query tokens (up to `max_rows`: decodes, drafts
 to verify, short prefill chunks; one row per token, attending to its own position's prefix) in one C
 call, on GGUF block weights as stored (`quant.QuantWeight`) or packed panels (`native.PackedWeight`),
 fp32 activations and KV cache. An MoE layer (`StackMoe`) is its router's panels, the routing's
@@ -33,20 +34,28 @@ _W = _i64 * 5
 class _Moe(ctypes.Structure):
     _fields_ = [("router", _W), ("score_bias", _ptr), ("gate_up", _ptr), ("down", _ptr)] + [
         (n, _i64) for n in ("experts", "top_k", "inter", "kind", "scoring", "n_group", "topk_group", "group_score",
-                            "norm")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                            "norm")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("shared", _i64),
+                                        ("shared_gate_up", _ptr), ("shared_down", _ptr)]
+
+
+class _Mla(ctypes.Structure):
+    _fields_ = [("q_a", _W), ("q_b", _W), ("kv_a", _W), ("q_a_norm", _ptr), ("kv_a_norm", _ptr),
+                ("uk", ctypes.POINTER(_W)), ("uv", ctypes.POINTER(_W)), ("interleave", _i64),
+                ("q_a_eps", ctypes.c_float), ("kv_a_eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr),
-                ("qkv", _W), ("o", _W), ("gate_up", _W), ("down", _W), ("moe", ctypes.POINTER(_Moe))]
+                ("qkv", _W), ("o", _W), ("gate_up", _W), ("down", _W), ("moe", ctypes.POINTER(_Moe)),
+                ("mla", ctypes.POINTER(_Mla))]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "slots",
                                     "block_size", "positions", "mode", "max_rows", "many", "panel_m",
                                     "outer_rows", "outer_rows_q4", "kv_bf16", "moe_experts", "moe_top_k",
-                                    "moe_inter")] + [
+                                    "moe_inter", "mla_r", "mla_rope", "mla_nope", "mla_v", "mla_q_lora")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)), ("work", _ptr)]
 
@@ -78,10 +87,11 @@ def _lib():
 
 @dataclass(frozen=True)
 class StackMoe:
-    """An MoE layer without a shared expert (models/moe.py's MoeBlock): the router's panels (E outputs,
-    fp32 logits), `moe_route.route`'s arguments, and the routed experts packed for `moe_gemm.moe_experts`
-    (slots combined in its call, as MoeBlock.forward runs them). router None: a dense gated MLP packed
-    as one expert (expert_kernels.NativeGatedMlp), every row to it, top_k 1, nothing combined."""
+    """An MoE layer (models/moe.py's MoeBlock): the router's panels (E outputs, fp32 logits),
+    `moe_route.route`'s arguments, the routed experts packed for `moe_gemm.moe_experts` (slots combined in
+    its call, as MoeBlock.forward runs them) and a shared expert's chunks in the same call (`shared`: the
+    stacks NativeExperts.combined appends, weighted 1). router None: a dense gated MLP packed as one
+    expert (expert_kernels.NativeGatedMlp), every row to it, top_k 1, nothing combined."""
 
     router: native.PackedWeight | None
     experts: moe_gemm.PackedExperts
@@ -93,6 +103,31 @@ class StackMoe:
     group_score: str = "top2_sum"
     norm: bool = False
     scale: float = 1.0
+    shared: moe_gemm.PackedExperts | None = None
+
+
+@dataclass(frozen=True)
+class StackMla:
+    """A latent attention block (models/mla.py's MlaAttention, the absorbed projections one linear a head):
+    q_a and q_b panels (q_b None: q_a is the plain q projection, q_a_norm None), kv_a_proj_with_mqa's,
+    the q_a / kv_a RMSNorm weights and epsilons, each head's W_uk^T [r, nope] and W_uv [v, r] panels, the
+    head sizes, DeepSeek's interleaved rope flag and the softmax scale. The layer's o is its o_proj and
+    its k_cache (= v_cache) the latent entries [slots, 1, r + rope]."""
+
+    q_a: native.PackedWeight
+    q_b: native.PackedWeight | None
+    kv_a: native.PackedWeight
+    q_a_norm: torch.Tensor | None
+    kv_a_norm: torch.Tensor
+    uk: list[native.PackedWeight]
+    uv: list[native.PackedWeight]
+    nope: int
+    rope: int
+    v: int
+    interleave: bool
+    scale: float
+    q_a_eps: float = 1e-6
+    kv_a_eps: float = 1e-6
 
 
 @dataclass(frozen=True)
@@ -103,7 +138,7 @@ class StackLayer:
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Projection
+    qkv: Projection | None  # (None with mla)
     qkv_bias: torch.Tensor | None
     o: Projection
     gate_up: Projection | None
@@ -113,6 +148,7 @@ class StackLayer:
     q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weights of q and k (Qwen3): both or neither
     k_norm: torch.Tensor | None = None
     moe: StackMoe | None = None
+    mla: StackMla | None = None
 
 
 def _shape(w: Projection) -> tuple[int, int]:
@@ -163,6 +199,14 @@ class DecodeStack:
         hidden = first.o.n
         inter = max((ly.down.k for ly in layers if ly.moe is None and ly.down is not None), default=0)
         moes = [ly.moe for ly in layers if ly.moe is not None]
+        mla = first.mla
+        if any((ly.mla is None) != (mla is None) for ly in layers):
+            raise KernelInputError("DecodeStack: latent attention in some layers only")
+        entry = head_dim  # a cache slot's values a KV head
+        if mla is not None:  # one latent entry a slot; the rotary tables cover the rope part
+            kv_heads, head_dim = 1, mla.rope
+            if entry <= mla.rope:
+                raise KernelInputError(f"DecodeStack: latent entries of {entry} values leave no latent next to rope {mla.rope}")
         if num_heads % kv_heads or head_dim % 2:
             raise KernelInputError(f"DecodeStack: {num_heads} heads do not fit {kv_heads} KV heads of dim {head_dim}")
         qkv_n = (num_heads + 2 * kv_heads) * head_dim
@@ -176,8 +220,10 @@ class DecodeStack:
             _dense(f"layer {i} in_norm", ly.in_norm, (hidden,))
             _dense(f"layer {i} post_norm", ly.post_norm, (hidden,))
             for name in ("k_cache", "v_cache"):  # all fp32 or all bf16
-                _dense(f"layer {i} {name}", getattr(ly, name), (slots, kv_heads, head_dim), first.k_cache.dtype)
+                _dense(f"layer {i} {name}", getattr(ly, name), (slots, kv_heads, entry), first.k_cache.dtype)
             want = {"qkv": (qkv_n, hidden), "o": (hidden, num_heads * head_dim)}
+            if mla is not None:
+                want = {"o": (hidden, num_heads * ly.mla.v)}
             if ly.moe is None:
                 want.update(gate_up=(2 * inter, hidden), down=(hidden, inter))
             c = self._layers[i]
@@ -193,6 +239,8 @@ class DecodeStack:
                 self._keep.append(_bind_weight(getattr(c, name), w))
             if ly.moe is not None:
                 c.moe = ctypes.pointer(self._bind_moe(i, ly.moe, hidden))
+            if ly.mla is not None:
+                c.mla = ctypes.pointer(self._bind_mla(i, ly.mla, hidden, num_heads, entry, mla))
             if ly.qkv_bias is not None:
                 _dense(f"layer {i} qkv_bias", ly.qkv_bias, (qkv_n,))
                 c.qkv_bias = ly.qkv_bias.data_ptr()
@@ -211,8 +259,12 @@ class DecodeStack:
                                  panel_m=quant.PANEL_M, outer_rows=int8_outer_rows[0], outer_rows_q4=int8_outer_rows[1],
                                  kv_bf16=int(first.k_cache.dtype == torch.bfloat16),
                                  moe_experts=max((e.experts.num_experts for e in moes), default=0),
-                                 moe_top_k=max((e.top_k for e in moes), default=0),
-                                 moe_inter=max((e.experts.inter for e in moes), default=0), eps=eps,
+                                 moe_top_k=max((e.top_k + (e.shared.num_experts if e.shared else 0) for e in moes),
+                                               default=0),
+                                 moe_inter=max((e.experts.inter for e in moes), default=0),
+                                 mla_r=entry - mla.rope if mla else 0, mla_rope=mla.rope if mla else 0,
+                                 mla_nope=mla.nope if mla else 0, mla_v=mla.v if mla else 0,
+                                 mla_q_lora=mla.q_a.n if mla and mla.q_b is not None else 0, eps=eps,
                                  scale=head_dim**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
                                  final_norm=final_norm.data_ptr(), layers=self._layers)
         self._work = torch.empty(lib.di_decode_stack_work_bytes(ctypes.byref(m)), dtype=torch.uint8)
@@ -220,6 +272,37 @@ class DecodeStack:
         self._ref = ctypes.byref(m)
         self._call = lib.di_decode_stack
         self.num_layers, self.hidden, self.max_rows, self.mode, self.many = len(layers), hidden, max_rows, mode, many
+
+    def _bind_mla(self, i: int, a: StackMla, hidden: int, heads: int, entry: int, first: StackMla) -> _Mla:
+        r, qk = entry - a.rope, a.nope + a.rope
+        if (a.nope, a.rope, a.v, a.q_b is None) != (first.nope, first.rope, first.v, first.q_b is None) or (
+                a.q_b is not None and a.q_a.n != first.q_a.n):
+            raise KernelInputError(f"DecodeStack: layer {i}'s latent attention differs in shape from layer 0's")
+        want = [("q_a", a.q_a, (a.q_a.n if a.q_b is not None else heads * qk, hidden)), ("kv_a", a.kv_a, (entry, hidden))]
+        if a.q_b is not None:
+            want.append(("q_b", a.q_b, (heads * qk, a.q_a.n)))
+        if len(a.uk) != heads or len(a.uv) != heads:
+            raise KernelInputError(f"DecodeStack: layer {i}: {len(a.uk)} / {len(a.uv)} absorbed projections for {heads} heads")
+        want += [(f"uk[{h}]", w, (r, a.nope)) for h, w in enumerate(a.uk)]
+        want += [(f"uv[{h}]", w, (a.v, r)) for h, w in enumerate(a.uv)]
+        for name, w, shape in want:
+            if not isinstance(w, native.PackedWeight) or w.gated or _shape(w) != shape:
+                raise KernelInputError(f"DecodeStack: layer {i} latent {name} must be ungated panels {shape}, got "
+                                       f"{_shape(w) if isinstance(w, native.PackedWeight) else type(w).__name__}")
+        _dense(f"layer {i} kv_a_norm", a.kv_a_norm, (r,))
+        if (a.q_a_norm is None) != (a.q_b is None):
+            raise KernelInputError(f"DecodeStack: layer {i}: a q_a norm goes with q_b (both or neither)")
+        if a.q_a_norm is not None:
+            _dense(f"layer {i} q_a_norm", a.q_a_norm, (a.q_a.n,))
+        uk, uv = (_W * heads)(), (_W * heads)()
+        c = _Mla(uk=uk, uv=uv, interleave=int(a.interleave), q_a_eps=a.q_a_eps, kv_a_eps=a.kv_a_eps, scale=a.scale,
+                 kv_a_norm=a.kv_a_norm.data_ptr(), q_a_norm=a.q_a_norm.data_ptr() if a.q_a_norm is not None else None)
+        self._keep += [_bind_weight(c.q_a, a.q_a), _bind_weight(c.kv_a, a.kv_a), a.kv_a_norm, a.q_a_norm, uk, uv, c]
+        if a.q_b is not None:
+            self._keep.append(_bind_weight(c.q_b, a.q_b))
+        for h in range(heads):
+            self._keep += [_bind_weight(uk[h], a.uk[h]), _bind_weight(uv[h], a.uv[h])]
+        return c
 
     def _bind_moe(self, i: int, e: StackMoe, hidden: int) -> _Moe:
         p, r = e.experts, e.router
@@ -237,14 +320,22 @@ class DecodeStack:
                                    f"topk_group={e.topk_group} do not fit {E} experts")
         if e.score_bias is not None:
             _dense(f"layer {i} score_bias", e.score_bias, (E,))
+        x = e.shared
+        if x is not None and (r is None or (x.hidden, x.inter, x.weights, x.bf16_dot) != (p.hidden, p.inter, p.weights, p.bf16_dot)):
+            raise KernelInputError(f"DecodeStack: layer {i} MoE: the shared expert's chunks [{x.num_experts} x {x.inter} x "
+                                   f"{x.hidden}] are not stacks of the routed experts' shape and storage")
         c = _Moe(experts=E, top_k=e.top_k, inter=p.inter,
                  kind=_EXPERTS[moe_gemm.experts_kernel(p)],
                  scoring=moe_route.SCORINGS.index(e.scoring), n_group=e.n_group, topk_group=e.topk_group,
                  group_score=moe_route.GROUP_SCORES.index(e.group_score), norm=int(e.norm),
                  eps=1e-20 if e.scoring == "sigmoid" else 0.0, scale=float(e.scale),  # (moe_route.route's eps)
                  gate_up=p.gate_up.data_ptr(), down=p.down.data_ptr(),
-                 score_bias=e.score_bias.data_ptr() if e.score_bias is not None else None)
-        self._keep += [_bind_weight(c.router, r) if r is not None else None, p.gate_up, p.down, e.score_bias, c]
+                 score_bias=e.score_bias.data_ptr() if e.score_bias is not None else None,
+                 shared=x.num_experts if x is not None else 0,
+                 shared_gate_up=x.gate_up.data_ptr() if x is not None else None,
+                 shared_down=x.down.data_ptr() if x is not None else None)
+        self._keep += [_bind_weight(c.router, r) if r is not None else None, p.gate_up, p.down, e.score_bias, c,
+                       x.gate_up if x is not None else None, x.down if x is not None else None]
         return c
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,

@@ -167,6 +167,11 @@ def load() -> ctypes.CDLL | None:
         lib.di_rope_store_kv_f32.restype = ctypes.c_int
         lib.di_rope_store_kv_bf16.argtypes = lib.di_rope_store_kv_f32.argtypes
         lib.di_rope_store_kv_bf16.restype = ctypes.c_int
+        lib.di_mla_rope_latent_f32.argtypes = [fp, i64, fp, i64, i64, i64, i64, i64, i64, fp, fp, fp,
+                                               ctypes.c_float, ctypes.c_int, fp, i64, fp, fp]
+        lib.di_mla_rope_latent_f32.restype = ctypes.c_int
+        lib.di_mla_rope_latent_bf16.argtypes = lib.di_mla_rope_latent_f32.argtypes
+        lib.di_mla_rope_latent_bf16.restype = ctypes.c_int
         lib.di_silu_mul_f32.argtypes = [fp, i64, i64, i64, fp]
         lib.di_silu_mul_f32.restype = ctypes.c_int
         lib.di_argmax_rows_f32.argtypes = [fp, i64, i64, i64, fp]
@@ -463,6 +468,46 @@ def rope_store_kv(
         if rc:
             raise KernelInputError(f"rope_store_kv: a slot is outside the cache's {S} slots")
     return q
+
+
+def mla_rope_latent(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    kv_norm: torch.Tensor, eps: float, interleave: bool, slots: torch.Tensor,
+                    cache: torch.Tensor, q_full: torch.Tensor, nope: int) -> None:
+    """Latent attention's rope and cache write (csrc/mla_rope_latent.c): q [T, H, nope + rope] (rows
+    dense), ckv [T, r + rope] (kv_a_proj_with_mqa's output, rows dense), cos / sin [T, rope] (sin
+    carrying rotate_half's sign); writes each head's rotated rope part to q_full[:, :, r:] ([T, H, r + rope]
+    contiguous fp32) and rmsnorm(ckv[:, :r]) * kv_norm | rotated ckv[:, r:] to cache[slots] ([S, 1, r + rope],
+    fp32 or bf16). interleave: DeepSeek's interleaved rope pairs, reordered to rotate-half first. A slot
+    outside the cache raises KernelInputError (the other tokens are still written)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    T, H, qk = q.shape
+    S, one, E = cache.shape
+    rope = qk - nope
+    r = E - rope
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != qk or ckv.dtype != torch.float32 \
+            or ckv.stride(-1) != 1 or tuple(ckv.shape) != (T, E):
+        raise KernelInputError(f"mla_rope_latent: q {tuple(q.shape)} / ckv {tuple(ckv.shape)} do not fit a cache "
+                               f"entry of {E} with a rope part of {rope} (float32, dense rows)")
+    if one != 1 or r <= 0 or rope <= 0 or rope % 2 or not cache.is_contiguous() or cache.dtype not in KV_DTYPES:
+        raise KernelInputError(f"mla_rope_latent: the cache must be contiguous [S, 1, r + rope] float32 or bfloat16, "
+                               f"got {cache.dtype} {tuple(cache.shape)} for a rope part of {rope}")
+    if q_full.dtype != torch.float32 or not q_full.is_contiguous() or tuple(q_full.shape) != (T, H, E):
+        raise KernelInputError(f"mla_rope_latent: q_full must be contiguous float32 {(T, H, E)}")
+    for name, t in (("cos", cos), ("sin", sin), ("kv_norm", kv_norm)):
+        _dense_f32(f"mla_rope_latent: {name}", t)
+    if cos.numel() != T * rope or sin.numel() != T * rope or kv_norm.numel() != r:
+        raise KernelInputError("mla_rope_latent: cos/sin are not [T, rope] or kv_norm not [r]")
+    if slots.dtype != torch.int64 or slots.shape != (T,) or not slots.is_contiguous():
+        raise KernelInputError("mla_rope_latent: slots must be a contiguous int64 [T] tensor")
+    if T:
+        fn = lib.di_mla_rope_latent_bf16 if cache.dtype == torch.bfloat16 else lib.di_mla_rope_latent_f32
+        rc = fn(q.data_ptr(), q.stride(0), ckv.data_ptr(), ckv.stride(0), T, H, nope, rope, r, cos.data_ptr(),
+                sin.data_ptr(), kv_norm.data_ptr(), eps, int(interleave), slots.data_ptr(), S, cache.data_ptr(),
+                q_full.data_ptr())
+        if rc:
+            raise KernelInputError(f"mla_rope_latent: a slot is outside the cache's {S} slots")
 
 
 def token_attention_reference(q, k_cache, v_cache, idx, row, lens, scale, max_len=None) -> torch.Tensor:

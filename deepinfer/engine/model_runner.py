@@ -144,12 +144,21 @@ class ModelRunner:
         if config.batch_invariant:
             self._use_batch_invariant_ops()
         # decode-only steps of few rows through one native call (native_decode.py), when it binds: GGUF
-        # blocks, or the native panel GEMM (fp32 / 16-bit checkpoints, dense or Qwen-style MoE)
+        # blocks, or the native panel GEMM (fp32 / 16-bit checkpoints, dense, Qwen-style MoE, DeepSeek)
         self.decode_stack = None
         # a step that needs logits for only some rows (a prefill) runs its last layer's attention output
         # projection and MLP on those rows alone (ForwardContext.keep_rows); off: on every row
         self.prune_last_layer = True
         native_panels = getattr(self.linear, "backend", None) == "native"
+        if native_panels:
+            from deepinfer.engine.models.mla import MlaAttention
+
+            # latent attention's absorbed projections one panel GEMM a head at every row count: row-invariant
+            # (torch.bmm's bits depend on the rows) and the decode stack's way, so a token's bits do not
+            # depend on which path computed it or whether the stack bound
+            for m in self.model.modules():
+                if isinstance(m, MlaAttention):
+                    m.absorb_per_head = True
         if (self.token_attention is not None and (quant_mode or native_panels) and self.num_mtp_layers == 0
                 and not self.use_graphs):
             from deepinfer.engine.native_decode import bind_decode_stack

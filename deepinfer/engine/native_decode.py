@@ -3,20 +3,25 @@ the native panel GEMM (fp32 / 16-bit checkpoints): which models it binds, and bi
 
 A step of few query tokens (decodes, drafts to verify, short prefill chunks; up to max_num_seqs
 rows, or fewer than quant.PANEL_M where the CPU lacks AVX2 in the exact modes) runs every decoder
-layer in one C call instead of ~10 Python-driven ops per layer (ModelRunner._forward), with the same kernels in the same order:
-the same bits as the per-op path, so the batch-invariant mode holds through it. Bound only for the
-plain decoder (Llama, Qwen2, Qwen3: GQA attention with rotate-half rope, optional q|k|v bias, optional
-per-head q/k RMSNorm) whose every projection has blocks (QuantLinear) or native panels (CpuLinear's
-native backend) and whose norms, rotary + KV store and attention are the native kernels; each MLP a
-gated MLP on those projections or (panels) an MoE block without a shared expert, routed and run by
-the native kernels (Qwen3-MoE). Anything else (MLA, shared experts, expert parallelism, oneDNN or
-F.linear projections) keeps the per-op path.
+layer in one C call instead of ~10-40 Python-driven ops per layer (ModelRunner._forward), with the
+same kernels in the same order: the same bits as the per-op path, so the batch-invariant mode holds
+through it. Bound for the plain decoder (Llama, Qwen2, Qwen3: GQA attention with rotate-half rope,
+optional q|k|v bias, optional per-head q/k RMSNorm) and, on panels, DeepSeek-V2 / V3's latent attention
+(models/mla.py, its absorbed projections one linear a head: MlaAttention.absorb_per_head, which the
+runner sets on the native panels, so the per-op path computes them so too), whose every projection has
+blocks (QuantLinear) or native panels (CpuLinear's native backend) and whose norms, rotary + KV store
+and attention are the native kernels; each MLP a gated MLP on those projections or (panels) an MoE
+block routed and run by the native kernels, a shared expert fused into the routed experts' call
+(Qwen3-MoE, DeepSeek-V3). Anything else (Qwen2-MoE's gated shared expert, expert parallelism, oneDNN
+or F.linear projections) keeps the per-op path.
 
 Why for MoE models: at a batch-128 decode step of benchmarks/moe.py's Qwen3-MoE-shaped model the
 per-op path spent ~13 of ~90 ms in Python between the kernels (ctypes calls, checks, allocations;
 ~1 ms per layer), each op slowed 3-30x by running right after a kernel that streamed ~100 MB of
 expert weights through the caches (measured: a 20-iteration Python loop 0.6 us back to back, 18 us
-after such a stream).
+after such a stream). The DeepSeek-V3-shaped model's latent attention took ~40 torch ops a layer: with
+the stack its decode ran 1.40x the tokens/s at batch 1, 1.36x at 8, 1.15x at 32, 1.03x at 128
+(benchmarks/moe.py, fp32 checkpoint, best of 3, the run before against the run after).
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import torch
 from deepinfer.engine.cpu_linear import CpuLinear
 from deepinfer.engine.expert_kernels import NativeExperts, NativeGatedMlp
 from deepinfer.engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, GatedMLP, RMSNorm
+from deepinfer.engine.models.mla import MlaAttention
 from deepinfer.engine.models.moe import MoeBlock
 from deepinfer.engine.quant_linear import BF16_M, INT8_OUTER_M, INT8_OUTER_M_Q4, OUTER_M, QuantLinear
 from deepinfer_kernels import moe_gemm, moe_route, native, quant
-from deepinfer_kernels.decode_stack import DecodeStack, StackLayer, StackMoe
+from deepinfer_kernels.decode_stack import DecodeStack, StackLayer, StackMla, StackMoe
 
 
 def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear | CpuLinear,
@@ -57,14 +63,21 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear | CpuLinear
             return linear.table.get(w.data_ptr())
         return (linear.packed_gated if gated else linear.packed).get(w.data_ptr())
 
-    if any(len(kv) != 2 for kv in kv_caches):
-        return None  # not per-head K and V (MLA's latent cache)
     layers = []
-    for layer, (kc, vc) in zip(model.layers, kv_caches):
+    for layer, kv in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer) is not DecoderLayer or type(attn) is not Attention or len(attn.kernels)
-                or attn.rotary is not rot or attn.scale != attn.head_dim**-0.5):
+        if type(layer) is not DecoderLayer or len(attn.kernels) or attn.rotary is not rot:
             return None
+        mla = None
+        if type(attn) is MlaAttention and panels and len(kv) == 1:  # the latent cache, one tensor
+            mla, (kc,) = _mla(attn, weight), kv
+            vc = kc
+            if mla is None:
+                return None
+        elif type(attn) is not Attention or attn.scale != attn.head_dim**-0.5 or len(kv) != 2:
+            return None
+        else:
+            kc, vc = kv
         moe = None
         if type(mlp) is GatedMLP and mlp.kernel is None:
             mlp_weights = [weight(mlp.gate_up_weight, gated=panels), weight(mlp.down_weight)]
@@ -76,13 +89,13 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear | CpuLinear
                 return None
         else:
             return None
-        proj = [weight(attn.qkv_weight), weight(attn.o_weight)]
-        if any(w is None for w in proj) or (moe is None and any(w is None for w in mlp_weights)):
+        proj = [weight(attn.qkv_weight) if mla is None else None, weight(attn.o_weight)]
+        if proj[1] is None or (mla is None and proj[0] is None) or (moe is None and any(w is None for w in mlp_weights)):
             return None  # a projection without blocks or panels (through F.linear)
-        bias = attn.qkv_bias.data if attn.qkv_bias is not None else None
-        norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if attn.q_norm is not None else (None, None)
+        bias = attn.qkv_bias.data if mla is None and attn.qkv_bias is not None else None
+        norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if mla is None and attn.q_norm is not None else (None, None)
         layers.append(StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                 proj[0], bias, proj[1], *mlp_weights, kc, vc, *norms, moe=moe))
+                                 proj[0], bias, proj[1], *mlp_weights, kc, vc, *norms, moe=moe, mla=mla))
     if panels:  # (the panel GEMMs take any row count with the same bits)
         return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps,
                            model.layers[0].self_attn.n_heads, block_size, "exact", max(max_seqs, 1))
@@ -99,20 +112,43 @@ def _one_expert(kernel) -> bool:
 
 def _moe(block: MoeBlock, weight) -> StackMoe | None:
     """The stack's view of an MoE block that MoeBlock.forward runs as router panels -> moe_route.route ->
-    one native experts call with the slot combine (no shared expert, all experts local), else None."""
+    one native experts call with the slot combine (and a shared expert's chunks in it, where
+    NativeExperts.can_fuse it; all experts local), else None."""
     kernel, m = block.expert_kernel, block.moe
     if (type(block).forward is not MoeBlock.forward or type(block).route is not MoeBlock.route
-            or block.dispatcher is not None or block.shared is not None or block._global_to_local is not None
+            or block.dispatcher is not None or block._global_to_local is not None
             or block.router_kernel is not None or block.route_kernel is not moe_route.route
             or type(kernel) is not NativeExperts or kernel._kernel is not moe_gemm.moe_experts
             or block.gate_weight.dtype != torch.float32):
         return None
+    shared = None
+    if block.shared is not None:  # only the fused form (no shared-expert gate)
+        if block.shared_gate_weight is not None or not kernel.can_fuse(block.shared):
+            return None
+        shared = block.shared.kernel.chunks
     router = weight(block.gate_weight)
     if router is None:
         return None
     bias = block.score_bias.data if block.score_bias is not None else None
     return StackMoe(router, kernel._packed, m.top_k, m.scoring, bias, m.n_group, m.topk_group, m.group_score,
-                    bool(m.norm_topk_prob), float(m.routed_scaling_factor))
+                    bool(m.norm_topk_prob), float(m.routed_scaling_factor), shared)
+
+
+def _mla(attn: MlaAttention, weight) -> StackMla | None:
+    """The stack's view of a latent attention block whose projections are all panels and whose per-op path
+    computes the absorbed projections one linear a head (absorb_per_head: the stack's bits), else None."""
+    if not attn.absorb_per_head:
+        return None
+    q_b = weight(attn.q_b_weight) if attn.q_lora is not None else None
+    q_a = weight(attn.q_weight if attn.q_lora is None else attn.q_a_weight)
+    kv_a = weight(attn.kv_a_weight)
+    uk, uv = [weight(w) for w in attn.uk_t], [weight(w) for w in attn.uv]
+    if q_a is None or kv_a is None or (attn.q_lora is not None and q_b is None) or None in uk or None in uv:
+        return None
+    q_norm = attn.q_a_layernorm if attn.q_lora is not None else None
+    return StackMla(q_a, q_b, kv_a, q_norm.weight.data if q_norm is not None else None,
+                    attn.kv_a_layernorm.weight.data, uk, uv, attn.nope, attn.rope_dim, attn.v_dim, attn.interleave,
+                    float(attn.scale), q_norm.eps if q_norm is not None else 1e-6, attn.kv_a_layernorm.eps)
 
 
 def stack_kernels(linear: QuantLinear, max_seqs: int) -> tuple[int, str]:

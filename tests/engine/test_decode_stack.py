@@ -154,9 +154,9 @@ def test_stack_binds_only_models_it_computes_exactly(tiny_models, moe_models):
         onednn = CpuLinear(fp32.model.linear_weights(), backend="onednn")
         assert bind_decode_stack(fp32.model, onednn, fp32.kv_caches, BS, 8) is None
         assert bind_decode_stack(fp32.model, fp32.linear, fp32.kv_caches, BS, 8) is not None
-    # Qwen2-MoE's gated shared expert and DeepSeek-V3's latent attention keep the per-op path
-    for arch in ("qwen2_moe", "deepseek_v3"):
-        assert _panel_engine(moe_models[arch]).runner.decode_stack is None
+    # Qwen2-MoE's gated shared expert keeps the per-op path (DeepSeek-V3's latent attention and fused
+    # shared expert do not: test_latent_stack_is_bitwise_the_per_op_path)
+    assert _panel_engine(moe_models["qwen2_moe"]).runner.decode_stack is None
 
 
 # ---- the panel GEMM (fp32 / 16-bit checkpoints), dense and MoE ------------------------------------
@@ -166,7 +166,12 @@ def moe_models(tmp_path_factory):
     from moe_factory import make_moe_model
 
     root = tmp_path_factory.mktemp("stack_moe")
-    return {a: make_moe_model(root / a, a, seed=2) for a in ("qwen3_moe", "qwen2_moe", "deepseek_v3")}
+    models = {a: make_moe_model(root / a, a, seed=2) for a in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2")}
+    # no q_lora (a plain q projection), rope pairs not interleaved, plain rope, no group-limited routing
+    models["deepseek_v3_plain"] = make_moe_model(root / "v3_plain", "deepseek_v3", seed=2, q_lora_rank=None,
+                                                 rope_interleave=False, n_group=1, topk_group=1,
+                                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    return models
 
 
 def _panel_engine(path, **kw):
@@ -232,10 +237,36 @@ def test_moe_stack_is_bitwise_the_per_op_path(moe_models, kw):
     _steps_match(runner, (1, 5, 40, 150))
 
 
-def test_moe_stack_gives_the_per_op_tokens_end_to_end(moe_models):
+@pytest.mark.parametrize("arch,kw", [("deepseek_v3", {}), ("deepseek_v3", {"batch_invariant": True}),
+                                     ("deepseek_v3", {"dtype": "bfloat16"}), ("deepseek_v3_plain", {}),
+                                     ("deepseek_v2", {})],
+                         ids=["v3", "v3-invariant", "v3-bf16-dot", "v3-no-q-lora", "v2"])
+def test_latent_stack_is_bitwise_the_per_op_path(moe_models, arch, kw):
+    """DeepSeek-V3 (layers: dense, then MoE with a shared expert; latent attention with q_lora, YaRN and
+    interleaved rope; or a plain q projection and rotate-half rope; V2's softmax routing): q_a / q_b /
+    kv_a panels, the native rope and cache entries, each head's absorbed projections, the attention over
+    the latent entries, and the shared expert's chunks in the routed experts' call; the per-op path
+    computes the absorbed projections per head at every row count (absorb_per_head)."""
+    from deepinfer.engine.models.mla import MlaAttention
+
+    eng = _panel_engine(moe_models[arch], **kw)
+    runner = eng.runner
+    if runner.linear.backend != "native":
+        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.decode_stack is not None
+    attns = [m for m in runner.model.modules() if isinstance(m, MlaAttention)]
+    assert attns and all(a.absorb_per_head for a in attns)
+    assert all((a.q_lora is None, a.interleave) == (arch == "deepseek_v3_plain", arch != "deepseek_v3_plain")
+               for a in attns)
+    assert any(ly.mlp.shared is not None for ly in runner.model.layers if hasattr(ly.mlp, "shared"))
+    _steps_match(runner, (1, 5, 40, 150))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_moe_stack_gives_the_per_op_tokens_end_to_end(moe_models, arch):
     from deepinfer import SamplingParams
 
-    eng = _panel_engine(moe_models["qwen3_moe"])
+    eng = _panel_engine(moe_models[arch])
     if eng.runner.decode_stack is None:
         pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)

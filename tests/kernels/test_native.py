@@ -296,6 +296,52 @@ def test_rope_store_kv_into_bf16_caches_rounds_as_torch():
     assert v16[7, 0, :2].tolist() == [1.0, 1 + 2**-6] and v16[7, 0, 2].isnan()
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_rope_latent_is_torch_rotary_and_the_norm_kernel_bit_for_bit(interleave):
+    """Latent attention's rope and cache write: each head's rope part de-interleaved (DeepSeek's pairs)
+    and rotated exactly as RotaryEmbedding.apply computes it in torch (products rounded, then summed),
+    the latent normed by add_rmsnorm, the entry [normed latent | rotated rope key] at its slot; a bf16
+    cache holds torch's rounding of the fp32 entry. A slot outside the cache raises, the others written."""
+    from deepinfer.engine.models.layers import RotaryEmbedding
+    from deepinfer.engine.models.mla import deinterleave
+
+    H, nope, rope, r, T, S, eps = 3, 16, 32, 48, 5, 40, 1e-6
+    g = torch.Generator().manual_seed(11)
+    rot = RotaryEmbedding(rope, 128, 10000.0, None)
+    cos, sin = rot.tables(torch.tensor([0, 3, 17, 60, 127]), torch.float32)
+    q = torch.randn(T, H, nope + rope, generator=g) * 2
+    wide = torch.randn(T, r + rope + 5, generator=g) * 3
+    ckv = wide[:, : r + rope]  # rows strided like kv_a's slice of a fused projection
+    w = torch.rand(r, generator=g) + 0.5
+    slots = torch.tensor([7, 0, 39, 12, 5])
+    pe = (lambda x: deinterleave(x)) if interleave else (lambda x: x)
+    want_q = rot.apply(pe(q[..., nope:]), (cos, sin))
+    want_entry = torch.cat([native.add_rmsnorm(ckv[:, :r], None, w, eps)[0],
+                            rot.apply(pe(ckv[:, None, r:]), (cos, sin))[:, 0]], -1)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.zeros(S, 1, r + rope, dtype=dtype)
+        q_full = torch.full((T, H, r + rope), 7.0)
+        native.mla_rope_latent(q, ckv, cos, sin, w, eps, interleave, slots, cache, q_full, nope)
+        assert torch.equal(q_full[..., r:], want_q) and bool((q_full[..., :r] == 7.0).all())
+        assert torch.equal(cache[slots, 0].view(torch.int16) if dtype == torch.bfloat16 else cache[slots, 0],
+                           want_entry.to(dtype).view(torch.int16) if dtype == torch.bfloat16 else want_entry)
+        untouched = torch.ones(S, dtype=torch.bool)
+        untouched[slots] = False
+        assert not cache[untouched].any()
+    ref_latent = F.rms_norm(ckv[:, :r], (r,), w, eps)
+    assert torch.allclose(want_entry[:, :r], ref_latent, atol=1e-5)
+    cache = torch.zeros(S, 1, r + rope)
+    with pytest.raises(KernelInputError, match="outside"):
+        native.mla_rope_latent(q, ckv, cos, sin, w, eps, interleave, torch.tensor([7, 0, 40, 12, 5]), cache,
+                               torch.empty(T, H, r + rope), nope)
+    assert torch.equal(cache[7, 0], want_entry[0]) and torch.equal(cache[5, 0], want_entry[4])
+    with pytest.raises(KernelInputError, match="do not fit"):
+        native.mla_rope_latent(q, ckv[:, :-2], cos, sin, w, eps, interleave, slots, cache,
+                               torch.empty(T, H, r + rope), nope)
+    with pytest.raises(KernelInputError, match="q_full"):
+        native.mla_rope_latent(q, ckv, cos, sin, w, eps, interleave, slots, cache, torch.empty(T, H, r), nope)
+
+
 @pytest.mark.parametrize("inter", [1536, 16, 37])
 def test_silu_mul_matches_torch_and_is_row_invariant(inter):
     g = torch.Generator().manual_seed(5)

@@ -13,7 +13,9 @@ with one KV head, so the existing paths (native token attention, SDPA, the batch
 radix cache, chunked prefill, fork) run on latent pages unchanged: the value is the same entry
 (its rope tail is computed and dropped: rope/(kv_lora_rank + rope) extra work, 11% at V3's sizes).
 The absorbed projections run per head through ForwardContext.linear (packed, row-invariant), so
-the batch-invariant mode holds.
+the batch-invariant mode holds (otherwise, below PER_HEAD_MIN_ROWS rows, as one torch.bmm, unless the
+native decode stack runs the layer: `absorb_per_head`). On CPU with the native norms the rope parts and
+the cache entries are one native call (native.mla_rope_latent), the one the decode stack makes.
 
 `set_projection_kernels` (engine/native_projections.py, CPU fp32 MoE models) moves the q / kv down
 projections (fused into one GEMM: both read x), q_b and o off ForwardContext.linear onto callables
@@ -29,6 +31,7 @@ from deepinfer.engine.attention import ForwardContext, paged_attention
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.layers import RMSNorm, RotaryEmbedding
 from deepinfer.errors import ModelLoadError
+from deepinfer_kernels import native
 
 # From this many tokens up the absorbed per-head projections run as one linear per head (row-strided
 # views in, no copies) instead of one batched bmm: at 2048 rows (a batch-128 prefill of 16-token
@@ -74,6 +77,10 @@ class MlaAttention(nn.Module):
         # name -> module x -> x @ W.T, replacing meta.linear for that weight: "down" (q_a (or q) and
         # kv_a stacked, [q rows; kv_a rows]), "q_b", "o"; set by set_projection_kernels
         self.kernels = nn.ModuleDict()
+        # the absorbed projections one linear per head at every row count (as the batch-invariant mode and
+        # long chunks do): set where the native decode stack runs this layer (it computes them so), so a
+        # step the stack does not take computes the bits it would have
+        self.absorb_per_head = False
 
     def projection_weights(self) -> dict[str, torch.Tensor]:
         """The weights a projection kernel replaces: "down" = [q_a (or q); kv_a] stacked, "q_b", "o"."""
@@ -113,28 +120,47 @@ class MlaAttention(nn.Module):
             k_pe = deinterleave(k_pe)
         return torch.cat([c, self.rotary.apply(k_pe, rope)[:, 0]], dim=-1)
 
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """norm(x), on the native kernel where the model's norms run on it (the decode stack's bits)."""
+        if norm.fused_add is native.add_rmsnorm:
+            return native.add_rmsnorm(x, None, norm.weight, norm.eps)[0]
+        return norm(x.contiguous())
+
+    def _native_latent(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
+        """Whether the rope and the cache entries go through native.mla_rope_latent (CPU fp32 with the
+        native norms: the latent's norm is then that kernel's) rather than torch ops."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and cache.dtype in native.KV_DTYPES
+                and self.kv_a_layernorm.fused_add is native.add_rmsnorm)
+
     def forward(self, rope, x, meta: ForwardContext, kv_cache, keep: torch.Tensor | None = None) -> torch.Tensor:
         """keep: return only these rows' outputs (every row's latent still goes to the cache)."""
         T, H = x.shape[0], self.n_heads
         q, ckv = self._down(x, meta)
         if self.q_lora is not None:
-            q = self._proj("q_b", self.q_a_layernorm(q.contiguous()), self.q_b_weight, meta)
+            q = self._proj("q_b", self._norm(self.q_a_layernorm, q), self.q_b_weight, meta)
         q = q.contiguous().view(T, H, self.qk)
-        q_pe = q[..., self.nope :]
-        if self.interleave:
-            q_pe = deinterleave(q_pe)
+        cache = kv_cache[0]  # [slots, 1, kv_lora_rank + rope]
         q_full = torch.empty(T, H, self.r + self.rope_dim, dtype=x.dtype, device=x.device)
-        q_full[..., self.r :] = self.rotary.apply(q_pe, rope)
-        # batch-invariant mode (or not CPU), or many rows
-        per_head = meta.attention_fn is not None or x.device.type != "cpu" or T >= PER_HEAD_MIN_ROWS
+        native_latent = self._native_latent(x, cache)
+        if native_latent:  # the rotated rope parts into q_full, the entries into the cache, one call
+            native.mla_rope_latent(q, ckv, rope[0], rope[1], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                   self.interleave, meta.slot_mapping, cache, q_full, self.nope)
+        else:
+            q_pe = q[..., self.nope :]
+            if self.interleave:
+                q_pe = deinterleave(q_pe)
+            q_full[..., self.r :] = self.rotary.apply(q_pe, rope)
+        # batch-invariant mode (or not CPU), many rows, or the decode stack's way
+        per_head = (meta.attention_fn is not None or x.device.type != "cpu" or T >= PER_HEAD_MIN_ROWS
+                    or self.absorb_per_head)
         if per_head:  # each head through the packed, row-invariant linear
             for h in range(H):
                 q_full[:, h, : self.r] = meta.linear(q[:, h, : self.nope], self.uk_t[h], None)
         else:  # one batched GEMM over the heads (2H calls cost 25% of a batch-8 decode step as linears)
             # into a fresh [H, T, r], then copied: bmm's out= into the transposed view measured 2.5x slower
             q_full[..., : self.r] = torch.bmm(q[..., : self.nope].transpose(0, 1), self.uk_stack).transpose(0, 1)
-        cache = kv_cache[0]  # [slots, 1, kv_lora_rank + rope]
-        cache.index_copy_(0, meta.slot_mapping, self.latent(x, rope, meta, ckv).unsqueeze(1))
+        if not native_latent:
+            cache.index_copy_(0, meta.slot_mapping, self.latent(x, rope, meta, ckv).unsqueeze(1))
         o = paged_attention(q_full, None, None, cache, cache, meta, self.scale)  # [T, H, r + rope]
         if keep is not None:
             o, T = o.index_select(0, keep), keep.numel()
