@@ -24,6 +24,9 @@ Qwen3 at batch 128: 2.45-2.54x). After the native decode stack took Qwen3-MoE's 
 expert kernel its two-ended item order): V3 3.20 / 3.90 / 4.26 / 3.24x, Qwen3 3.89 / 4.56 / 3.99 / 2.42x
 (best of 3; transformers 618 tok/s at batch 128 in that run), and Qwen3 alone, best of 5, 3.01 / 4.13 /
 4.02 / 2.72x, paired 2.95 / 4.04 / 3.68 / 2.78x (transformers' batch-128 runs 432-521 tok/s).
+2026-12-04, after DeepSeek-V3's decode steps moved onto the native decode stack (latent attention and
+the fused shared expert in one C call, engine/native_decode.py), best of 3: V3 3.73 / 4.75 / 4.67 / 3.50x
+(the same morning before it: 2.58 / 3.33 / 4.10 / 3.20x; ours 97 -> 136 tok/s at batch 1, 338 -> 460 at 8).
 
 Model FLOPs: each run's work (`run_flops`: 2 FLOPs per multiply-add of the weights every token
 uses, plus its attention over its context) over its wall time, for ours and transformers, against the

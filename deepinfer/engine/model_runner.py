@@ -159,6 +159,8 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, MlaAttention):
                     m.absorb_per_head = True
+        # (not with speculative="mtp": its MTP layers run per op on the step's attention metadata, which a
+        # stack step does not build)
         if (self.token_attention is not None and (quant_mode or native_panels) and self.num_mtp_layers == 0
                 and not self.use_graphs):
             from deepinfer.engine.native_decode import bind_decode_stack

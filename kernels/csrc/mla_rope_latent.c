@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kv_bf16.h"
+
 int di_add_rmsnorm_f32(const float *x, const float *residual, const float *w, float eps, float *out,
                        float *res_out, int64_t M, int64_t D);
 
@@ -43,13 +45,6 @@ static void rotate(const float *x, int interleave, const float *c, const float *
     }
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline __attribute__((always_inline)) int mla_rope_latent(
     const int BF, const float *q, int64_t ldq, const float *ckv, int64_t ldc, int64_t T, int64_t H, int64_t nope,
     int64_t rope, int64_t r, const float *cos, const float *sin, const float *kv_norm, float eps, int interleave,
@@ -70,7 +65,7 @@ static inline __attribute__((always_inline)) int mla_rope_latent(
         di_add_rmsnorm_f32(ckv + t * ldc, 0, kv_norm, eps, entry, 0, 1, r);
         rotate(ckv + t * ldc + r, interleave, c, s, rope, entry + r);
         if (BF)
-            for (int64_t i = 0; i < E; ++i) ((uint16_t *)cache)[slots[t] * E + i] = to_bf16(entry[i]);
+            for (int64_t i = 0; i < E; ++i) ((uint16_t *)cache)[slots[t] * E + i] = kv_to_bf16(entry[i]);
         else
             memcpy((float *)cache + slots[t] * E, entry, sizeof(float) * (size_t)E);
     }

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kv_bf16.h"
+
 static void rotate(const float *x, const float *c, const float *s, int64_t D, float *out) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] + x[i + half] * s[i];
@@ -25,20 +27,10 @@ static void rotate(const float *x, const float *c, const float *s, int64_t D, fl
 int di_add_rmsnorm_f32(const float *x, const float *residual, const float *w, float eps, float *out,
                        float *res_out, int64_t M, int64_t D);
 
-/* fp32 -> bf16, rounded to nearest even, any NaN -> 0xFFFF: what torch's tensor conversion
- * (Tensor.to(torch.bfloat16), vectorised on CPU) gives, bit for bit, so a cache written here and one
- * written by torch's index_copy_ of k.to(bfloat16) agree */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* n values of x into a cache row: as they are (fp32), or rounded (BF) */
 static inline __attribute__((always_inline)) void put(const int BF, const float *x, int64_t n, void *dst) {
     if (BF)
-        for (int64_t i = 0; i < n; ++i) ((uint16_t *)dst)[i] = to_bf16(x[i]);
+        for (int64_t i = 0; i < n; ++i) ((uint16_t *)dst)[i] = kv_to_bf16(x[i]);
     else
         memcpy(dst, x, sizeof(float) * (size_t)n);
 }
