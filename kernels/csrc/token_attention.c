@@ -11,7 +11,7 @@
  *
  * Head dims that are a multiple of 16 (up to 128) run on 16-float vectors with the query and the
  * output accumulator in registers (one specialised copy per head dim); larger multiples of 16 (latent
- * attention's entries) on 16-float vectors with the query read from memory (head_wide); others take a
+ * attention's entries) on 16-float vectors with the queries read from memory (heads_wide); others take a
  * plain loop.
  * Built at first use by deepinfer_kernels.native (cc -O3 -march=native -fopenmp).
  */
@@ -135,20 +135,25 @@ static inline __attribute__((always_inline)) void heads_vec(const int BF, const 
         for (int c = 0; c < DV; ++c) store16(o + h * D + 16 * c, acc[h][c] * inv[h]);
 }
 
-/* One query head of a head dim that is a multiple of 16 past MAX_DV vectors (latent attention's entries:
- * kv_lora_rank + rope, 160 in benchmarks/moe.py's V3-shaped model, 576 in DeepSeek-V3): the query read
- * from memory, each key's dot product one 16-lane chain over the vectors in order and the scores by
- * reduce16 (heads_vec's order with one head), the softmax as there, the value sum in chunks of MAX_DV
- * accumulators (each lane one chain over the keys in order, a chunk's values re-read from cache). Against
- * the plain loop it replaced, 128 decode tokens over ~48 entries, one thread, two runs each: 8 heads x 160
- * 1.17-1.48 vs 1.69-1.90 ms, 16 heads x 576 8.8-8.9 vs 10.3-10.4 ms. (Every head re-reads the shared
- * entries from L2; computing several heads a pass is the next step for DeepSeek-V3's 128 x 576.) */
-static inline __attribute__((always_inline)) void head_wide(const int BF, int64_t DV, const float *qh, const char *kc,
-                                                            const char *vc, const int64_t *slots, int64_t slot_stride,
-                                                            int64_t L, float scale, float *s, float *o) {
+/* HN query heads (qh, q_sh apart) of one KV head, of a head dim that is a multiple of 16 past MAX_DV
+ * vectors (latent attention's entries: 160 in benchmarks/moe.py's V3-shaped model, 576 in DeepSeek-V3,
+ * all heads on one KV head): the queries read from memory, each key's vectors loaded once for the HN
+ * heads; each head's dot product one 16-lane chain over the vectors in order and the scores by
+ * reduce16, the softmax as heads_vec's, the value sum in chunks of accumulators (each lane one chain
+ * over the keys in order, a chunk's values re-read from cache). A head's arithmetic is the same for
+ * any HN. 128 decode tokens over ~48 entries, two runs each, against the plain loop this replaced and a
+ * one-head version of this (every head re-reading the entries from L2): 8 heads x 160, 2 threads,
+ * 0.34-0.43 ms vs 1.38-1.40 (plain) and 0.66-0.89 (one head); 16 heads x 576, 2.69-2.76 vs 7.58-7.69 and
+ * 4.49 ms; one thread 0.63-0.79 vs 1.81-2.69 and 1.28-1.31, 5.05-5.10 vs 10.35-10.68 and 10.3-11.4.
+ * s: HN rows of round_up(L, 16) + 16 floats, ls apart. */
+static inline __attribute__((always_inline)) void heads_wide(const int BF, int64_t DV, const int HN, const float *qh,
+                                                             int64_t q_sh, const char *kc, const char *vc,
+                                                             const int64_t *slots, int64_t slot_stride, int64_t L,
+                                                             float scale, float *s, int64_t ls, float *o, int64_t D) {
     const int64_t es = BF ? 2 : 4, row = slot_stride * es;
-    v16 p[16];
-    float m = -INFINITY;
+    v16 p[MAX_HN][16];
+    float m[MAX_HN], inv[MAX_HN];
+    for (int h = 0; h < HN; ++h) m[h] = -INFINITY;
     const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int n = L - j0 < 16 ? (int)(L - j0) : 16;
@@ -156,41 +161,58 @@ static inline __attribute__((always_inline)) void head_wide(const int BF, int64_
             if (j0 + jj + 16 < L)
                 for (int64_t b = 0; b < 16 * DV * es; b += 64) __builtin_prefetch(kc + slots[j0 + jj + 16] * row + b);
             const char *k = kc + slots[j0 + jj] * row;
-            v16 acc = load16(qh) * kv16(BF, k);
-            for (int64_t c = 1; c < DV; ++c) acc += load16(qh + 16 * c) * kv16(BF, k + 16 * es * c);
-            p[jj] = acc;
+            v16 acc[MAX_HN];
+            const v16 k0 = kv16(BF, k);
+            for (int h = 0; h < HN; ++h) acc[h] = load16(qh + h * q_sh) * k0;
+            for (int64_t c = 1; c < DV; ++c) {
+                const v16 kk = kv16(BF, k + 16 * es * c);
+                for (int h = 0; h < HN; ++h) acc[h] += load16(qh + h * q_sh + 16 * c) * kk;
+            }
+            for (int h = 0; h < HN; ++h) p[h][jj] = acc[h];
         }
-        for (int jj = n; jj < 16; ++jj) p[jj] = splat16(0.f);
-        const v16 x = reduce16(p) * scale;
-        store16(s + j0, x);
-        for (int jj = 0; jj < n; ++jj) m = x[jj] > m ? x[jj] : m;
+        for (int h = 0; h < HN; ++h) {
+            for (int jj = n; jj < 16; ++jj) p[h][jj] = splat16(0.f);
+            const v16 x = reduce16(p[h]) * scale;
+            store16(s + h * ls + j0, x);
+            for (int jj = 0; jj < n; ++jj) m[h] = x[jj] > m[h] ? x[jj] : m[h];
+        }
     }
-    const v16 mv = splat16(m);
-    v16 z = splat16(0.f);
-    int64_t j = 0;
-    for (; j + 16 <= L; j += 16) {
-        v16 e = exp16_nonpos(load16(s + j) - mv);
-        store16(s + j, e);
-        z += e;
+    for (int h = 0; h < HN; ++h) {
+        float *sh = s + h * ls;
+        const v16 mv = splat16(m[h]);
+        v16 z = splat16(0.f);
+        int64_t j = 0;
+        for (; j + 16 <= L; j += 16) {
+            v16 e = exp16_nonpos(load16(sh + j) - mv);
+            store16(sh + j, e);
+            z += e;
+        }
+        if (j < L) { /* last partial block: lanes past L count as zero */
+            for (int64_t i = L; i < j + 16; ++i) sh[i] = m[h];
+            i16v keep = lane < (int32_t)(L - j);
+            v16 e = (v16)((i16v)exp16_nonpos(load16(sh + j) - mv) & keep);
+            store16(sh + j, e);
+            z += e;
+        }
+        inv[h] = 1.f / hsum16(z);
     }
-    if (j < L) { /* last partial block: lanes past L count as zero */
-        for (int64_t i = L; i < j + 16; ++i) s[i] = m;
-        i16v keep = lane < (int32_t)(L - j);
-        v16 e = (v16)((i16v)exp16_nonpos(load16(s + j) - mv) & keep);
-        store16(s + j, e);
-        z += e;
-    }
-    const float inv = 1.f / hsum16(z);
-    for (int64_t c0 = 0; c0 < DV; c0 += MAX_DV) {
-        const int nc = DV - c0 < MAX_DV ? (int)(DV - c0) : MAX_DV;
-        v16 acc[MAX_DV];
-        for (int c = 0; c < nc; ++c) acc[c] = splat16(0.f);
+    const int NC = HN > 2 ? 4 : MAX_DV; /* value vectors a chunk: HN x NC accumulators in registers */
+    for (int64_t c0 = 0; c0 < DV; c0 += NC) {
+        const int nc = DV - c0 < NC ? (int)(DV - c0) : NC;
+        v16 acc[MAX_HN][MAX_DV];
+        for (int h = 0; h < HN; ++h)
+            for (int c = 0; c < nc; ++c) acc[h][c] = splat16(0.f);
         for (int64_t jj = 0; jj < L; ++jj) {
             const char *v = vc + slots[jj] * row + 16 * es * c0;
-            const v16 w = splat16(s[jj]);
-            for (int c = 0; c < nc; ++c) acc[c] += w * kv16(BF, v + 16 * es * c);
+            v16 w[MAX_HN];
+            for (int h = 0; h < HN; ++h) w[h] = splat16(s[h * ls + jj]);
+            for (int c = 0; c < nc; ++c) {
+                const v16 vv = kv16(BF, v + 16 * es * c);
+                for (int h = 0; h < HN; ++h) acc[h][c] += w[h] * vv;
+            }
         }
-        for (int c = 0; c < nc; ++c) store16(o + 16 * (c0 + c), acc[c] * inv);
+        for (int h = 0; h < HN; ++h)
+            for (int c = 0; c < nc; ++c) store16(o + h * D + 16 * (c0 + c), acc[h][c] * inv[h]);
     }
 }
 
@@ -237,7 +259,8 @@ static inline __attribute__((always_inline)) int token_attention(
     const int DV = (D % 16 == 0 && D / 16 <= MAX_DV) ? (int)(D / 16) : 0;
     /* heads per work item: a KV head's G query heads in chunks of HN (at most 2 at D > 64, whose q and
      * accumulators would not fit the registers) */
-    const int64_t HN = DV ? (G < (DV > 4 ? 2 : MAX_HN) ? G : (DV > 4 ? 2 : MAX_HN)) : 1;
+    const int64_t HN = DV ? (G < (DV > 4 ? 2 : MAX_HN) ? G : (DV > 4 ? 2 : MAX_HN))
+                          : D % 16 == 0 ? (G < MAX_HN ? G : MAX_HN) : 1; /* (wide: heads_wide, queries in memory) */
     const int64_t chunks = (G + HN - 1) / HN, ls = (max_len > 0 ? max_len : 1) + 16;
     int failed = 0;
 #pragma omp parallel
@@ -290,11 +313,17 @@ static inline __attribute__((always_inline)) int token_attention(
             case 7: HEADS(7); break;
             case 8: HEADS(8); break;
             default:
-                for (int i = 0; i < hn; ++i)
-                    if (D % 16 == 0)
-                        head_wide(BF, D / 16, qh + i * q_sh, k0, v0, slots, slot_stride, L, scale, s, o + i * D);
-                    else
+                if (D % 16 == 0) {
+                    switch (hn) {
+                    case 1: heads_wide(BF, D / 16, 1, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;
+                    case 2: heads_wide(BF, D / 16, 2, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;
+                    case 3: heads_wide(BF, D / 16, 3, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D); break;
+                    default: heads_wide(BF, D / 16, 4, qh, q_sh, k0, v0, slots, slot_stride, L, scale, s, ls, o, D);
+                    }
+                } else {
+                    for (int i = 0; i < hn; ++i)
                         head_any(BF, D, qh + i * q_sh, k0, v0, slots, slot_stride, L, scale, s, o + i * D, s + HN * ls);
+                }
             }
 #undef HEADS
         }

@@ -63,7 +63,8 @@ def test_token_attention_is_batch_invariant_and_path_independent(H, Hkv, D):
         assert torch.equal(batched[3], prefill[p])
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (6, 3, 48), (5, 5, 80)])
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (6, 3, 48), (5, 5, 80), (7, 1, 160),
+                                   (3, 1, 576)])
 def test_token_attention_heads_of_a_kv_group_get_the_bits_of_one_head_alone(H, Hkv, D):
     # the kernel runs a KV head's query heads together (chunks of up to 4, 2 at D > 64); each head's
     # output must be the bits it gets computed alone (one query head over its own KV head)
