@@ -26,7 +26,10 @@ expert kernel its two-ended item order): V3 3.20 / 3.90 / 4.26 / 3.24x, Qwen3 3.
 4.02 / 2.72x, paired 2.95 / 4.04 / 3.68 / 2.78x (transformers' batch-128 runs 432-521 tok/s).
 2026-12-04, after DeepSeek-V3's decode steps moved onto the native decode stack (latent attention and
 the fused shared expert in one C call, engine/native_decode.py), best of 3: V3 3.73 / 4.75 / 4.67 / 3.50x
-(the same morning before it: 2.58 / 3.33 / 4.10 / 3.20x; ours 97 -> 136 tok/s at batch 1, 338 -> 460 at 8).
+(the same morning before it: 2.58 / 3.33 / 4.10 / 3.20x; ours 97 -> 136 tok/s at batch 1, 338 -> 460 at 8);
+with the latent entries' attention on vectors too (token_attention.c's heads_wide): 3.65 / 4.83 / 4.99 /
+3.63x, paired 3.65 / 4.70 / 4.99 / 4.01x (ours 1440 tok/s at batch 128, 1294 that morning); Qwen3 in that
+session's last run 3.35x at batch 32, 2.70x at 128 (paired 2.71x; transformers 487-537 tok/s).
 
 Model FLOPs: each run's work (`run_flops`: 2 FLOPs per multiply-add of the weights every token
 uses, plus its attention over its context) over its wall time, for ours and transformers, against the
