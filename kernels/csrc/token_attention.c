@@ -64,6 +64,44 @@ static inline v16 reduce16(const v16 *p) {
            __builtin_shuffle(ef, gh, (i16v){1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31});
 }
 
+/* the scores of keys j0 .. j0 + n - 1 for HN heads: each head's 16 partial dot products (p[h], lanes past
+ * n zeroed here) summed by reduce16, scaled, stored at s[h * ls + j0 ..], and the running maxima m[h] */
+static inline __attribute__((always_inline)) void score_block(const int HN, v16 p[][16], int n, float scale, float *s,
+                                                              int64_t ls, int64_t j0, float *m) {
+    for (int h = 0; h < HN; ++h) {
+        for (int jj = n; jj < 16; ++jj) p[h][jj] = splat16(0.f);
+        const v16 x = reduce16(p[h]) * scale;
+        store16(s + h * ls + j0, x);
+        for (int jj = 0; jj < n; ++jj) m[h] = x[jj] > m[h] ? x[jj] : m[h];
+    }
+}
+
+/* each head's L scores (row h of s, ls apart) -> exp(score - m[h]) in place; inv[h] = 1 / their sum (in
+ * 16 lanes, then hsum16's tree; lanes past L count as zero) */
+static inline __attribute__((always_inline)) void softmax_rows(const int HN, float *s, int64_t ls, int64_t L,
+                                                               const float *m, float *inv) {
+    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int h = 0; h < HN; ++h) {
+        float *sh = s + h * ls;
+        const v16 mv = splat16(m[h]);
+        v16 z = splat16(0.f);
+        int64_t j = 0;
+        for (; j + 16 <= L; j += 16) {
+            v16 e = exp16_nonpos(load16(sh + j) - mv);
+            store16(sh + j, e);
+            z += e;
+        }
+        if (j < L) { /* last partial block */
+            for (int64_t i = L; i < j + 16; ++i) sh[i] = m[h];
+            i16v keep = lane < (int32_t)(L - j);
+            v16 e = (v16)((i16v)exp16_nonpos(load16(sh + j) - mv) & keep);
+            store16(sh + j, e);
+            z += e;
+        }
+        inv[h] = 1.f / hsum16(z);
+    }
+}
+
 /* HN query heads (qh, q_sh apart) of one KV head: each K and V row is read once for all of them, and
  * the HN x DV output accumulators give the value sum independent chains (one head alone was bound by
  * the FMA latency of its DV chains). Every head's arithmetic is exactly the one-head order: per key the
@@ -81,7 +119,6 @@ static inline __attribute__((always_inline)) void heads_vec(const int BF, const 
         for (int c = 0; c < DV; ++c) q[h][c] = load16(qh + h * q_sh + 16 * c);
         m[h] = -INFINITY;
     }
-    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int n = L - j0 < 16 ? (int)(L - j0) : 16;
         for (int jj = 0; jj < n; ++jj) {
@@ -96,34 +133,12 @@ static inline __attribute__((always_inline)) void heads_vec(const int BF, const 
                 for (int h = 0; h < HN; ++h) p[h][jj] += q[h][c] * kk;
             }
         }
-        for (int h = 0; h < HN; ++h) {
-            for (int jj = n; jj < 16; ++jj) p[h][jj] = splat16(0.f);
-            const v16 x = reduce16(p[h]) * scale;
-            store16(s + h * ls + j0, x);
-            for (int jj = 0; jj < n; ++jj) m[h] = x[jj] > m[h] ? x[jj] : m[h];
-        }
+        score_block(HN, p, n, scale, s, ls, j0, m);
     }
     float inv[MAX_HN];
-    for (int h = 0; h < HN; ++h) {
-        float *sh = s + h * ls;
-        const v16 mv = splat16(m[h]);
-        v16 z = splat16(0.f);
-        int64_t j = 0;
-        for (; j + 16 <= L; j += 16) {
-            v16 e = exp16_nonpos(load16(sh + j) - mv);
-            store16(sh + j, e);
-            z += e;
-        }
-        if (j < L) { /* last partial block: lanes past L count as zero */
-            for (int64_t i = L; i < j + 16; ++i) sh[i] = m[h];
-            i16v keep = lane < (int32_t)(L - j);
-            v16 e = (v16)((i16v)exp16_nonpos(load16(sh + j) - mv) & keep);
-            store16(sh + j, e);
-            z += e;
-        }
-        inv[h] = 1.f / hsum16(z);
+    softmax_rows(HN, s, ls, L, m, inv);
+    for (int h = 0; h < HN; ++h)
         for (int c = 0; c < DV; ++c) acc[h][c] = splat16(0.f);
-    }
     for (int64_t jj = 0; jj < L; ++jj) {
         const char *v = vc + slots[jj] * row;
         for (int c = 0; c < DV; ++c) {
@@ -154,7 +169,6 @@ static inline __attribute__((always_inline)) void heads_wide(const int BF, int64
     v16 p[MAX_HN][16];
     float m[MAX_HN], inv[MAX_HN];
     for (int h = 0; h < HN; ++h) m[h] = -INFINITY;
-    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int n = L - j0 < 16 ? (int)(L - j0) : 16;
         for (int jj = 0; jj < n; ++jj) {
@@ -170,32 +184,9 @@ static inline __attribute__((always_inline)) void heads_wide(const int BF, int64
             }
             for (int h = 0; h < HN; ++h) p[h][jj] = acc[h];
         }
-        for (int h = 0; h < HN; ++h) {
-            for (int jj = n; jj < 16; ++jj) p[h][jj] = splat16(0.f);
-            const v16 x = reduce16(p[h]) * scale;
-            store16(s + h * ls + j0, x);
-            for (int jj = 0; jj < n; ++jj) m[h] = x[jj] > m[h] ? x[jj] : m[h];
-        }
+        score_block(HN, p, n, scale, s, ls, j0, m);
     }
-    for (int h = 0; h < HN; ++h) {
-        float *sh = s + h * ls;
-        const v16 mv = splat16(m[h]);
-        v16 z = splat16(0.f);
-        int64_t j = 0;
-        for (; j + 16 <= L; j += 16) {
-            v16 e = exp16_nonpos(load16(sh + j) - mv);
-            store16(sh + j, e);
-            z += e;
-        }
-        if (j < L) { /* last partial block: lanes past L count as zero */
-            for (int64_t i = L; i < j + 16; ++i) sh[i] = m[h];
-            i16v keep = lane < (int32_t)(L - j);
-            v16 e = (v16)((i16v)exp16_nonpos(load16(sh + j) - mv) & keep);
-            store16(sh + j, e);
-            z += e;
-        }
-        inv[h] = 1.f / hsum16(z);
-    }
+    softmax_rows(HN, s, ls, L, m, inv);
     const int NC = HN > 2 ? 4 : MAX_DV; /* value vectors a chunk: HN x NC accumulators in registers */
     for (int64_t c0 = 0; c0 < DV; c0 += NC) {
         const int nc = DV - c0 < NC ? (int)(DV - c0) : NC;
