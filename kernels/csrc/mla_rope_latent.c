@@ -18,17 +18,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "keep_rounded.h"
 #include "kv_bf16.h"
 
 int di_add_rmsnorm_f32(const float *x, const float *residual, const float *w, float eps, float *out,
                        float *res_out, int64_t M, int64_t D);
-
-/* an opaque use: the compiler (-ffp-contract=fast) cannot fuse a rounded product into the next add */
-#if defined(__x86_64__) || defined(__i386__)
-#define KEEP(v) __asm__("" : "+x"(v))
-#else
-#define KEEP(v) __asm__("" : "+r"(v))
-#endif
 
 static void rotate(const float *x, int interleave, const float *c, const float *s, int64_t D, float *out) {
     const int64_t half = D / 2;
@@ -39,8 +33,8 @@ static void rotate(const float *x, int interleave, const float *c, const float *
     }
     for (int64_t i = 0; i < D; ++i) {
         float a = v[i] * c[i], b = v[i < half ? i + half : i - half] * s[i];
-        KEEP(a);
-        KEEP(b);
+        KEEP_ROUNDED(a);
+        KEEP_ROUNDED(b);
         out[i] = a + b;
     }
 }

@@ -54,6 +54,7 @@
 #include <string.h>
 
 #include "expert_sort.h"
+#include "keep_rounded.h"
 #include "transpose32.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -111,12 +112,6 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #define IN_REGISTERS(a, b, c) __asm__("" : "+x"(a), "+x"(b), "+x"(c))
 #else
 #define IN_REGISTERS(a, b, c) ((void)0)
-#endif
-/* an opaque use of a product: the compiler (-ffp-contract=fast) cannot fuse it into the next add */
-#if defined(__AVX__)
-#define KEEP_ROUNDED(v) __asm__("" : "+x"(v))
-#else
-#define KEEP_ROUNDED(v) do { volatile vf keep_ = (v); (v) = keep_; } while (0)
 #endif
 
 /* Software prefetch PF_BYTES ahead in a panel. 8 KiB: the tall tile consumes a panel at 64 B per
