@@ -13,8 +13,8 @@ with one KV head, so the existing paths (native token attention, SDPA, the batch
 radix cache, chunked prefill, fork) run on latent pages unchanged: the value is the same entry
 (its rope tail is computed and dropped: rope/(kv_lora_rank + rope) extra work, 11% at V3's sizes).
 The absorbed projections run per head through ForwardContext.linear (packed, row-invariant), so
-the batch-invariant mode holds (otherwise, below PER_HEAD_MIN_ROWS rows, as one torch.bmm, unless the
-native decode stack runs the layer: `absorb_per_head`). On CPU with the native norms the rope parts and
+the batch-invariant mode holds (otherwise, below PER_HEAD_MIN_ROWS rows, as one torch.bmm, except on
+the native panels: `absorb_per_head`, the decode stack's way). On CPU with the native norms the rope parts and
 the cache entries are one native call (native.mla_rope_latent), the one the decode stack makes.
 
 `set_projection_kernels` (engine/native_projections.py, CPU fp32 MoE models) moves the q / kv down
@@ -78,8 +78,8 @@ class MlaAttention(nn.Module):
         # kv_a stacked, [q rows; kv_a rows]), "q_b", "o"; set by set_projection_kernels
         self.kernels = nn.ModuleDict()
         # the absorbed projections one linear per head at every row count (as the batch-invariant mode and
-        # long chunks do): set where the native decode stack runs this layer (it computes them so), so a
-        # step the stack does not take computes the bits it would have
+        # long chunks do): set by the runner on the native panels (row-invariant, and the decode stack's
+        # way), so a token's bits do not depend on the step's rows or on which path computed it
         self.absorb_per_head = False
 
     def projection_weights(self) -> dict[str, torch.Tensor]:
