@@ -2,8 +2,12 @@
 
 1. tiny random Llama, fp32: greedy tokens and logprobs vs transformers on the same device;
 2. the same with deepinfer_kernels forced to TileLang vs torch (greedy equal);
-3. batch-invariant mode: one prompt alone vs inside random batches (fp32, bf16);
-4. a Qwen3-shaped model of ~0.5B parameters (random weights, bf16; the default model's tokenizer):
+3. MoE: tiny Qwen3-MoE, Qwen2-MoE, DeepSeek-V3 and DeepSeek-V2 models (fp32) against transformers on
+   the same device; in bf16, their experts through the TileLang grouped GEMM against kernels="torch";
+4. benchmarks/moe.py's Qwen3-MoE- and DeepSeek-V3-shaped models (bf16): ours vs transformers
+   `generate` on the device at batch 1 / 32 / 128, output tokens/s;
+5. batch-invariant mode: one prompt alone vs inside random batches (fp32, bf16);
+6. a Qwen3-shaped model of ~0.5B parameters (random weights, bf16; the default model's tokenizer):
    a. JSON-schema and regex requests at batch 64, every output validated; constrained /
       unconstrained output tokens/s at batch 64;
    b. penalties (repetition / frequency / presence) through the engine, and the sampler's device
@@ -57,11 +61,18 @@ def verdict(ok: bool, what: str) -> None:
 
 
 def tiny_vs_hf(dev, root):
-    import transformers
     from model_factory import make_tiny_model
 
     path = make_tiny_model(root / "tiny", "llama")
-    eng = Engine(str(path), device=dev, dtype="float32", kv_cache_memory=64 << 20)
+    same, n = parity_with_hf(dev, path, Engine(str(path), device=dev, dtype="float32", kv_cache_memory=64 << 20))
+    verdict(same == n, "greedy parity with transformers on the tiny model")
+    return path
+
+
+def parity_with_hf(dev, path, eng) -> tuple[int, int]:
+    """Greedy tokens and per-token logprobs of `eng` against transformers (fp32, same device)."""
+    import transformers
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(dev).eval()
     prompts = ["The quick brown fox", "Hello world! How are", "def add(a, b):"]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
@@ -76,8 +87,79 @@ def tiny_vs_hf(dev, root):
         for i, t in enumerate(o.logprobs):
             worst = max(worst, abs(t.logprob - lp[len(ids) - 1 + i, t.token_id].item()))
     print(f"greedy equal to transformers: {same}/{len(prompts)}; max logprob diff {worst:.2e}")
-    verdict(same == len(prompts), "greedy parity with transformers on the tiny model")
-    return path
+    return same, len(prompts)
+
+
+def moe_vs_hf(dev, root):
+    """Tiny MoE models of each family, fp32: greedy tokens and logprobs against transformers on the same
+    device, and the routed experts through the TileLang grouped GEMM against kernels="torch"."""
+    from moe_factory import MOE_ARCHS, make_moe_model
+
+    from deepinfer_kernels import _tilelang
+
+    for arch in MOE_ARCHS:
+        path = make_moe_model(root / arch, arch, seed=2)
+        eng = Engine(str(path), device=dev, dtype="float32", kv_cache_memory=64 << 20)
+        print(f"{arch}: experts on the grouped kernel in {eng.runner.expert_kernel_blocks} layers; ", end="")
+        same, n = parity_with_hf(dev, path, eng)
+        verdict(same == n, f"{arch}: greedy parity with transformers")
+        if _tilelang.available() and dev.startswith("cuda"):  # the kernel serves 16-bit engines (expert_kernels.py)
+            prompts = [[5 + (7 * i + j) % 300 for j in range(3 + 9 * i)] for i in range(4)]
+            sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+            k16 = Engine(str(path), device=dev, dtype="bfloat16", kv_cache_memory=64 << 20)
+            t16 = Engine(str(path), device=dev, dtype="bfloat16", kv_cache_memory=64 << 20, kernels="torch")
+            a, b = k16.generate(prompts, sp), t16.generate(prompts, sp)
+            first = sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b))
+            whole = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
+            d = max(abs(x.logprobs[0].logprob - y.logprobs[0].logprob) for x, y in zip(a, b))
+            print(f"{arch} bf16: grouped kernel in {k16.runner.expert_kernel_blocks} layers against torch's per-expert "
+                  f"GEMMs: first tokens equal {first}/{len(prompts)}, whole greedy runs {whole}/{len(prompts)}, "
+                  f"first-token logprob diff {d:.1e}")
+            verdict(first == len(prompts) and d < 0.05, f"{arch}: bf16 grouped kernel agrees with torch")
+
+
+def moe_throughput(dev, root, batches, new_tokens, tiny):
+    """benchmarks/moe.py's Qwen3-MoE- and DeepSeek-V3-shaped models (bf16 checkpoints; --tiny: the
+    test factory's tiny ones), ours vs transformers `generate` on this device, output tokens/s."""
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import moe as bench
+    from moe_factory import make_moe_model
+
+    for kind in ("qwen3", "v3"):
+        if tiny:
+            path = make_moe_model(root / f"bench_{kind}", {"qwen3": "qwen3_moe", "v3": "deepseek_v3"}[kind], seed=2)
+        else:
+            path = bench.build(kind, str(root / "bench"), torch.bfloat16)
+        vocab = json.loads((pathlib.Path(path) / "config.json").read_text())["vocab_size"]
+        dtype = "float32" if tiny else "bfloat16"
+        eng = Engine(str(path), device=dev, dtype=dtype, kv_cache_memory=(4 << 30) if dev != "cpu" else 64 << 20,
+                     max_num_seqs=max(batches))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(dev).eval()
+        eng.generate(bench.prompts(2, vocab), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        row = []
+        for b in batches:
+            o = bench.ours(eng, bench.prompts(b, vocab), new_tokens)
+            h = _hf_rate(hf, bench.prompts(b, vocab), new_tokens, dev)
+            row.append(f"b{b}: ours {o:.0f} / transformers {h:.0f} tok/s = {o / h:.2f}x")
+        print(f"{kind} ({dtype}): " + "; ".join(row), flush=True)
+        del eng, hf
+
+
+def _hf_rate(hf, ids, new, dev) -> float:
+    x = torch.tensor(ids, device=dev)
+    with torch.inference_mode():
+        hf.generate(input_ids=x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False,
+                    pad_token_id=0)  # warm-up: allocator and kernels at this batch
+        if dev != "cpu":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False, pad_token_id=0)
+        if dev != "cpu":
+            torch.cuda.synchronize()
+    return len(ids) * new / (time.perf_counter() - t)
 
 
 def kernels_vs_torch(dev, path):
@@ -294,6 +376,9 @@ def main(argv=None) -> int:
     steps = [
         ("tiny llama vs transformers (fp32)", lambda: state.setdefault("tiny", tiny_vs_hf(dev, root))),
         ("kernels on vs off", lambda: kernels_vs_torch(dev, state["tiny"])),
+        ("MoE families vs transformers (fp32), grouped kernel vs torch", lambda: moe_vs_hf(dev, root)),
+        ("MoE-shaped models: ours vs transformers", lambda: moe_throughput(dev, root, [1, 8] if tiny else [1, 32, 128],
+                                                                           4 if tiny else 32, tiny)),
         ("batch invariance fp32", lambda: batch_invariance(dev, state["tiny"], "float32", 2 if tiny else 8)),
         ("batch invariance bf16", lambda: batch_invariance(dev, state["tiny"], "bfloat16", 2 if tiny else 8)),
         ("Qwen3-shaped: JSON schema + regex at batch 64", lambda: structured(dev, big(), 8 if tiny else 64, 16 if tiny else 64)),

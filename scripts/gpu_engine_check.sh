@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Engine checks on a fresh CUDA box (H200): one run, a few minutes. Needs .whl/ carried (wheels for
-# Python 3.12 of greenlet, msgspec, gguf, xgrammar, outlines-core, plus the TileLang bundle) and
-# .gpu/smollm2_tok/ (SmolLM2's tokenizer and config, no weights).
+# Engine checks on a fresh CUDA box (H200): one run, a few minutes. Needs .whl/ and .gpu/ carried, as
+# scripts/gpu_bundle.sh builds them (wheels for Python 3.12, the TileLang bundle, SmolLM2's tokenizer).
+# Arguments go to gpu_engine_check.py (--skip N ... to leave sections out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/dk_tilelang_cache

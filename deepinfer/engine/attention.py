@@ -15,8 +15,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA's backends on CUDA: every one but cuDNN's. torch 2.11 tries cuDNN first for bf16 SDPA on
+# Hopper (a profile of our prefill on an H200 showed aten::_cudnn_attention_forward), and cuDNN
+# builds an execution plan for each new shape: a decode step's context length is new at every step,
+# and so is each new prompt length. On that H200 (scripts/gpu_engine_check.py, bf16), the two models
+# whose decode attention went through SDPA ran at 9-13 tok/s at batch 1 (the DeepSeek-V3-shaped
+# one's latent attention; the Qwen3-MoE-shaped one without TileLang), against 77 tok/s for the
+# Qwen3-MoE one on the paged decode kernel, and slower per step at batch 32 than at batch 128;
+# FunASR issue 3704 reports the same per-shape plan builds (0.44 s each, torch 2.11, B200). Flash and
+# memory-efficient attention keep no per-shape state. The cure is inferred from these, not yet timed.
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_scope(device: torch.device):
+    """The context a forward pass runs its SDPA calls in: on CUDA, CUDA_SDPA_BACKENDS only."""
+    return sdpa_kernel(list(CUDA_SDPA_BACKENDS)) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -26,6 +45,20 @@ class PrefillChunk:
     ctx_len: int  # tokens of context after this chunk (cached prefix + chunk)
     gather_idx: torch.Tensor | None  # [ctx_len] cache slots, None when the chunk is the whole context
     native: bool = False  # computed by ForwardContext.token_attention with the decodes
+    grouped: bool = False  # computed in one of ForwardContext.prefill_groups
+
+
+@dataclass
+class PrefillGroup:
+    """Prefill chunks attended in one SDPA call (group_prefills): B chunks' queries padded to Lq rows
+    and their contexts' cache slots to Lk; padding is masked out and its outputs dropped."""
+
+    q_rows: torch.Tensor  # [B * Lq] int64 rows of q (a padding row repeats its chunk's first row)
+    kv_slots: torch.Tensor  # [B * Lk] int64 cache slots of each chunk's context (padding: slot 0)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool: query i of a chunk sees its context's keys up to its position
+    src: torch.Tensor  # [n] int64 rows of the padded [B * Lq] output that are real queries
+    dst: torch.Tensor  # [n] int64 their rows in the step's output
+    shape: tuple[int, int, int]  # (B, Lq, Lk)
 
 
 @dataclass
@@ -64,6 +97,8 @@ class ForwardContext:
     # than all: the last layer computes its attention output projection and MLP for these rows only,
     # and the model returns [R, hidden] in this order (DecoderForCausalLM.forward)
     keep_rows: torch.Tensor | None = None
+    # prefill chunks batched into single SDPA calls (CUDA: model_runner.prepare), the rest one call each
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
@@ -104,10 +139,74 @@ def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float
         out[:nd] = ctx.decode_kernel(q[:nd].contiguous(), kc, vc, ctx.decode_block_tables, ctx.decode_context_lens, scale)
     elif nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, ctx.decode_gather_idx, ctx.decode_valid, scale)
+    for g in ctx.prefill_groups:
+        out.index_copy_(0, g.dst, grouped_prefill_attention(q, k_cache, v_cache, g, scale))
     for c in ctx.prefills:
-        qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache, ctx.slot_mapping)
-        out[c.q_start : c.q_start + c.q_len] = prefill_attention(qs, ks, vs, scale)
+        if not c.grouped:
+            qs, ks, vs = chunk_qkv(c, q, k, v, k_cache, v_cache, ctx.slot_mapping)
+            out[c.q_start : c.q_start + c.q_len] = prefill_attention(qs, ks, vs, scale)
     return out
+
+
+# A group's padded sizes: its mask (B * Lq * Lk entries) and its gathered keys (B * Lk rows)
+GROUP_MASK_MAX = 1 << 24
+GROUP_KV_MAX = 1 << 15
+
+
+def group_prefills(chunks: list[PrefillChunk], block_rows: torch.Tensor, block_size: int, device) -> list[PrefillGroup]:
+    """Batch prefill chunks (block_rows[i]: chunk i's block table) into groups for one SDPA call each,
+    in order of context length, while a group's padding stays within GROUP_MASK_MAX / GROUP_KV_MAX;
+    marks the grouped chunks. Why (CUDA): one SDPA call per chunk and layer cost ~77 us of host time
+    each on an H200 machine here (a batch-64 prefill of a 28-layer model: 1792 calls, ~0.14 s)."""
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i].ctx_len)
+    groups, cur = [], []
+
+    def fits(idx):
+        n, lq, lk = len(idx), max(chunks[i].q_len for i in idx), max(chunks[i].ctx_len for i in idx)
+        return n * lq * lk <= GROUP_MASK_MAX and n * lk <= GROUP_KV_MAX
+
+    for i in order:
+        if cur and not fits(cur + [i]):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups.append(cur)
+    return [_group(idx, chunks, block_rows, block_size, device) for idx in groups if len(idx) > 1]
+
+
+def _group(idx: list[int], chunks: list[PrefillChunk], block_rows: torch.Tensor, bs: int, device) -> PrefillGroup:
+    for i in idx:
+        chunks[i].grouped = True
+    qs = torch.tensor([chunks[i].q_start for i in idx])
+    ql = torch.tensor([chunks[i].q_len for i in idx])
+    cl = torch.tensor([chunks[i].ctx_len for i in idx])
+    B, Lq, Lk = len(idx), int(ql.max()), int(cl.max())
+    qi, kj = torch.arange(Lq), torch.arange(Lk)
+    q_valid = qi[None, :] < ql[:, None]  # [B, Lq]
+    q_rows = torch.where(q_valid, qs[:, None] + qi[None, :], qs[:, None])
+    pos = (cl - ql)[:, None] + qi[None, :]  # each query's position in its context
+    mask = (kj[None, None, :] <= pos[:, :, None]) & (kj[None, None, :] < cl[:, None, None])
+    mask |= ~q_valid[:, :, None] & (kj == 0)  # a padding query sees key 0 (no empty softmax row)
+    rows = block_rows[idx]
+    slots = rows[:, (kj // bs).clamp(max=rows.shape[1] - 1)] * bs + kj % bs
+    slots = torch.where(kj[None, :] < cl[:, None], slots, 0)
+    src = q_valid.reshape(-1).nonzero().squeeze(1)
+    return PrefillGroup(q_rows.reshape(-1).to(device), slots.reshape(-1).to(device), mask[:, None].to(device),
+                        src.to(device), q_rows.reshape(-1)[src].to(device), (B, Lq, Lk))
+
+
+def grouped_prefill_attention(q, k_cache, v_cache, g: PrefillGroup, scale: float) -> torch.Tensor:
+    """The real query rows of group g (in g.src order), attending to their contexts in the cache."""
+    B, Lq, Lk = g.shape
+    H, D = q.shape[1], q.shape[2]
+    Hkv, Dv = k_cache.shape[1], v_cache.shape[2]
+    qb = q.index_select(0, g.q_rows).view(B, Lq, H, D).transpose(1, 2)
+    kb = k_cache.index_select(0, g.kv_slots).to(q.dtype).view(B, Lk, Hkv, D).transpose(1, 2)
+    vb = v_cache.index_select(0, g.kv_slots).to(q.dtype).view(B, Lk, Hkv, Dv).transpose(1, 2)
+    if Hkv != H:  # as full heads: the memory-efficient kernel takes a mask, not always enable_gqa
+        kb, vb = kb.repeat_interleave(H // Hkv, dim=1), vb.repeat_interleave(H // Hkv, dim=1)
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=scale)  # [B, H, Lq, Dv]
+    return o.transpose(1, 2).reshape(B * Lq, H, Dv).index_select(0, g.src)
 
 
 def chunk_qkv(c: PrefillChunk, q, k, v, k_cache, v_cache, slot_mapping=None):

@@ -6,7 +6,11 @@
 * CUDA: the TileLang grouped GEMM (deepinfer_kernels.grouped_gemm), on the experts' weights stacked
   [E, 2I, H] / [E, H, I]; the per-expert parameters become views of the stacks (no second copy).
   Compiled at install; a failed compile keeps the per-expert GEMMs (with a warning) under
-  kernels="auto" and raises under kernels="tilelang".
+  kernels="auto" and raises under kernels="tilelang". 16-bit engines only under "auto": the
+  kernel's T.gemm runs fp32 operands on the tensor cores as TF32 (10-bit mantissas). Measured on
+  an H200 (scripts/gpu_engine_check.py, tiny fp32 MoE models against fp32 transformers): max
+  logprob difference 0.9-3.7e-3 with the kernel, 4.8-9.5e-7 with torch's fp32 per-expert GEMMs, so
+  an fp32 engine keeps those; kernels="tilelang" still installs it, with a warning.
 * CPU fp32, the MoE model's other gated MLPs (shared experts, the dense first layers): the same
   native kernel as a one-expert stack (NativeGatedMlp, installed as GatedMLP.kernel), which beat
   oneDNN's packed silu_mul + down pair on this AVX2 CPU (its 4 x 24 tile; the shared native GEMM
@@ -185,6 +189,12 @@ def install_expert_kernels(model: nn.Module, device: torch.device, dtype: torch.
         if kernels == "tilelang":
             raise RuntimeError(f"kernels='tilelang': TileLang is not importable ({_tilelang.import_error()})")
         return 0
+    if dtype == torch.float32:
+        if kernels != "tilelang":
+            return 0  # TF32 products (module docstring): the fp32 per-expert GEMMs stay
+        warnings.warn("kernels='tilelang' on an fp32 MoE model: the grouped expert GEMM multiplies as TF32 on the "
+                      "tensor cores (logprobs ~1e-3 from fp32); kernels='auto' keeps fp32 GEMMs", RuntimeWarning,
+                      stacklevel=2)
     try:
         for b in blocks:
             b.set_expert_kernel(TileLangExperts(*_stack_in_place(b)))

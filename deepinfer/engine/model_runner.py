@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.attention import ForwardContext, PrefillChunk, TokenAttentionInputs
+from deepinfer.engine.attention import ForwardContext, PrefillChunk, TokenAttentionInputs, group_prefills, sdpa_scope
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.model_config import ModelConfig
@@ -137,6 +137,9 @@ class ModelRunner:
         self.attention_fn = None
         self.kernels = config.kernels
         self.decode_kernel = None
+        # prefill chunks batched into single SDPA calls (attention.group_prefills): on CUDA, where a call's
+        # host cost dominates; on CPU prefill chunks go through the native token attention or alone
+        self.group_prefills = device.type == "cuda"
         self.token_attention = None  # deepinfer_kernels.native.token_attention when selected
         self.token_attention_all = False  # every token through it (batch-invariant mode), not only short ones
         self.rope_store_kv = None  # deepinfer_kernels.native.rope_store_kv when selected
@@ -488,6 +491,8 @@ class ModelRunner:
                 ctx.tokens.lens[q_start : q_start + n] = 0  # left to SDPA
             ctx.prefills.append(PrefillChunk(q_start, n, total, gidx, native))
             q_start += n
+        if self.group_prefills and ctx.tokens is None and self.attention_fn is None and len(ctx.prefills) > 1:
+            ctx.prefill_groups = group_prefills(ctx.prefills, bt[nd:], bs, dev)
         return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows)
 
     def _prepare_stack(self, batch: ForwardBatch) -> "PreparedBatch":
@@ -517,7 +522,7 @@ class ModelRunner:
         decoder layers, then the final norm and head (an early exit: self-drafting)."""
         import deepinfer_kernels as K
 
-        with K.use_backend(self.kernels):  # (a context variable: set in the thread that runs this)
+        with K.use_backend(self.kernels), sdpa_scope(self.device):  # (K's is a context variable: set in this thread)
             return self._forward(batch, prev_tokens, num_layers)
 
     @torch.inference_mode()
@@ -527,7 +532,7 @@ class ModelRunner:
         drafting, whose rows read the target's hidden states."""
         import deepinfer_kernels as K
 
-        with K.use_backend(self.kernels):
+        with K.use_backend(self.kernels), sdpa_scope(self.device):
             return self._forward(batch, prev_tokens, with_hidden=True)
 
     @torch.inference_mode()
@@ -537,7 +542,7 @@ class ModelRunner:
         import deepinfer_kernels as K
 
         dev = self.device
-        with K.use_backend(self.kernels):
+        with K.use_backend(self.kernels), sdpa_scope(dev):
             rows = batch.logit_rows.to(dev)
             logits = self.model.mtp_logits(batch.input_ids.to(dev), batch.positions.to(dev), hidden, batch.ctx,
                                            self.mtp_caches[depth], depth, rows=rows)

@@ -92,3 +92,38 @@ def test_grammar_and_penalties_on_cuda(tiny_models):
                          presence_penalty=0.5)
     outs = eng.generate(PROMPTS[:4], pen)
     assert all(o.finish_reason != "error" for o in outs)
+
+
+def test_sdpa_scope_leaves_out_cudnn_on_cuda_only():
+    """attention.sdpa_scope: the backend flags a CUDA forward runs under (cuDNN's per-shape plans,
+    attention.py), restored after it; a CPU forward's scope touches nothing."""
+    from deepinfer.engine.attention import sdpa_scope
+
+    b = torch.backends.cuda
+    before = (b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())
+    with sdpa_scope(torch.device("cuda")):
+        assert not b.cudnn_sdp_enabled()
+        assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.math_sdp_enabled()
+    assert (b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()) == before
+    with sdpa_scope(torch.device("cpu")):
+        assert (b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()) == before
+
+
+@pytest.mark.gpu
+def test_cuda_forward_runs_sdpa_without_cudnn(tiny_models, monkeypatch):
+    """Every SDPA call of a CUDA engine's step (prefills here, and decodes with kernels="torch") runs with
+    cuDNN's backend off."""
+    import deepinfer.engine.attention as A
+
+    dev = _cuda()
+    seen = []
+    sdpa = A.F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(A.F, "scaled_dot_product_attention", spy)
+    eng = Engine(str(tiny_models["qwen3"]), device=dev, dtype="bfloat16", kv_cache_memory=64 << 20, kernels="torch")
+    eng.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert seen and not any(seen)

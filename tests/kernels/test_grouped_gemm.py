@@ -121,21 +121,46 @@ def test_gpu_kernel_matches_reference(cuda_device, tilelang_available, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_runs_moe_experts_through_the_kernel(cuda_device, tilelang_available, tmp_path):
+def test_gpu_bf16_engine_runs_moe_experts_through_the_kernel(cuda_device, tilelang_available, tmp_path):
     pytest.importorskip("transformers")
     from deepinfer import Engine, SamplingParams
     from deepinfer.engine.models.moe import MoeBlock
     from moe_factory import make_moe_model
 
     path = make_moe_model(tmp_path / "q3", "qwen3_moe", seed=2)
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompts = ["the quick brown fox", "hello world"]
-    eng = Engine(str(path), device="cuda", dtype="float32", kv_cache_memory=8 << 20)
+    eng = Engine(str(path), device="cuda", dtype="bfloat16", kv_cache_memory=8 << 20)
     assert eng.runner.expert_kernel_blocks == sum(isinstance(m, MoeBlock) for m in eng.runner.model.modules()) > 0
     ref = Engine(str(path), device="cuda", dtype="float32", kv_cache_memory=8 << 20, kernels="torch")
     assert ref.runner.expert_kernel_blocks == 0
     a, b = eng.generate(prompts, sp), ref.generate(prompts, sp)
+    # the first token's logprob against the fp32 engine, at bf16's tolerance (the factory's weights give clear winners)
+    for x, y in zip(a, b):
+        assert x.token_ids[0] == y.token_ids[0]
+        assert abs(x.logprobs[0].logprob - y.logprobs[0].logprob) < 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_engine_keeps_fp32_expert_gemms(cuda_device, tilelang_available, tmp_path):
+    """The kernel multiplies fp32 as TF32 (expert_kernels.py): an fp32 engine keeps torch's fp32 GEMMs under
+    "auto", and gets the kernel with a warning when it asks for kernels="tilelang"."""
+    pytest.importorskip("transformers")
+    from deepinfer import Engine, SamplingParams
+    from moe_factory import make_moe_model
+
+    path = make_moe_model(tmp_path / "q3", "qwen3_moe", seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = ["the quick brown fox", "hello world"]
+    auto = Engine(str(path), device="cuda", dtype="float32", kv_cache_memory=8 << 20)
+    assert auto.runner.expert_kernel_blocks == 0
+    ref = Engine(str(path), device="cuda", dtype="float32", kv_cache_memory=8 << 20, kernels="torch")
+    a, b = auto.generate(prompts, sp), ref.generate(prompts, sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert max(abs(x.logprob - y.logprob) for o, r in zip(a, b) for x, y in zip(o.logprobs, r.logprobs)) < 1e-5
+    with pytest.warns(RuntimeWarning, match="TF32"):
+        forced = Engine(str(path), device="cuda", dtype="float32", kv_cache_memory=8 << 20, kernels="tilelang")
+    assert forced.runner.expert_kernel_blocks > 0
 
 
 def test_the_kernel_entry_checks_its_inputs():

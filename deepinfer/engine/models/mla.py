@@ -13,9 +13,10 @@ with one KV head, so the existing paths (native token attention, SDPA, the batch
 radix cache, chunked prefill, fork) run on latent pages unchanged: the value is the same entry
 (its rope tail is computed and dropped: rope/(kv_lora_rank + rope) extra work, 11% at V3's sizes).
 The absorbed projections run per head through ForwardContext.linear (packed, row-invariant), so
-the batch-invariant mode holds (otherwise, below PER_HEAD_MIN_ROWS rows, as one torch.bmm, except on
-the native panels: `absorb_per_head`, the decode stack's way). On CPU with the native norms the rope parts and
-the cache entries are one native call (native.mla_rope_latent), the one the decode stack makes.
+the batch-invariant mode holds; otherwise as one torch.bmm each way: on CUDA always, on CPU below
+PER_HEAD_MIN_ROWS rows and not on the native panels (where `absorb_per_head` keeps the decode
+stack's way). On CPU with the native norms the rope parts and the cache entries are one native call
+(native.mla_rope_latent), the one the decode stack makes.
 
 `set_projection_kernels` (engine/native_projections.py, CPU fp32 MoE models) moves the q / kv down
 projections (fused into one GEMM: both read x), q_b and o off ForwardContext.linear onto callables
@@ -150,9 +151,11 @@ class MlaAttention(nn.Module):
             if self.interleave:
                 q_pe = deinterleave(q_pe)
             q_full[..., self.r :] = self.rotary.apply(q_pe, rope)
-        # batch-invariant mode (or not CPU), many rows, or the decode stack's way
-        per_head = (meta.attention_fn is not None or x.device.type != "cpu" or T >= PER_HEAD_MIN_ROWS
-                    or self.absorb_per_head)
+        # batch-invariant mode, the decode stack's way, or many rows on CPU. On CUDA one bmm each way at any
+        # rows: per head it is 2H launches a layer (a launch cost 8.8-9.7 us on an H200 machine here: 15k
+        # launches, ~0.15 s, a DeepSeek-V3 decode step), and cuBLAS's bits depend on the rows either way
+        per_head = (meta.attention_fn is not None or self.absorb_per_head
+                    or (x.device.type == "cpu" and T >= PER_HEAD_MIN_ROWS))
         if per_head:  # each head through the packed, row-invariant linear
             for h in range(H):
                 q_full[:, h, : self.r] = meta.linear(q[:, h, : self.nope], self.uk_t[h], None)
