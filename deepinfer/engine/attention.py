@@ -148,22 +148,25 @@ def paged_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext, scale: float
     return out
 
 
-# A group's padded sizes: its mask (B * Lq * Lk entries) and its gathered keys (B * Lk rows)
-GROUP_MASK_MAX = 1 << 24
-GROUP_KV_MAX = 1 << 15
+# A group's padded sizes, in elements: its scores (B * heads * Lq * Lk, what SDPA's math backend would
+# hold in fp32) and its gathered keys at full heads (B * Lk * heads * head_dim, likewise the values)
+GROUP_SCORES_MAX = 1 << 26
+GROUP_KEYS_MAX = 1 << 26
 
 
-def group_prefills(chunks: list[PrefillChunk], block_rows: torch.Tensor, block_size: int, device) -> list[PrefillGroup]:
+def group_prefills(chunks: list[PrefillChunk], block_rows: torch.Tensor, block_size: int, device, heads: int,
+                   head_dim: int) -> list[PrefillGroup]:
     """Batch prefill chunks (block_rows[i]: chunk i's block table) into groups for one SDPA call each,
-    in order of context length, while a group's padding stays within GROUP_MASK_MAX / GROUP_KV_MAX;
-    marks the grouped chunks. Why (CUDA): one SDPA call per chunk and layer cost ~77 us of host time
-    each on an H200 machine here (a batch-64 prefill of a 28-layer model: 1792 calls, ~0.14 s)."""
+    in order of context length, while a group's padded sizes stay within GROUP_SCORES_MAX and
+    GROUP_KEYS_MAX; marks the grouped chunks. Why (CUDA): one SDPA call per chunk and layer cost
+    ~77 us of host time each on an H200 machine here (a batch-64 prefill of a 28-layer model: 1792
+    calls, ~0.14 s)."""
     order = sorted(range(len(chunks)), key=lambda i: chunks[i].ctx_len)
     groups, cur = [], []
 
     def fits(idx):
         n, lq, lk = len(idx), max(chunks[i].q_len for i in idx), max(chunks[i].ctx_len for i in idx)
-        return n * lq * lk <= GROUP_MASK_MAX and n * lk <= GROUP_KV_MAX
+        return n * heads * lq * lk <= GROUP_SCORES_MAX and n * lk * heads * head_dim <= GROUP_KEYS_MAX
 
     for i in order:
         if cur and not fits(cur + [i]):

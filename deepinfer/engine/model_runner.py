@@ -492,7 +492,9 @@ class ModelRunner:
             ctx.prefills.append(PrefillChunk(q_start, n, total, gidx, native))
             q_start += n
         if self.group_prefills and ctx.tokens is None and self.attention_fn is None and len(ctx.prefills) > 1:
-            ctx.prefill_groups = group_prefills(ctx.prefills, bt[nd:], bs, dev)
+            kc = self.kv_caches[0][0]  # [slots, kv heads, head dim]: the dims attention sees, MLA's latent ones too
+            ctx.prefill_groups = group_prefills(ctx.prefills, bt[nd:], bs, dev, self.model_config.num_attention_heads,
+                                                kc.shape[-1])
         return PreparedBatch(batch.input_ids, batch.positions, ctx, batch.logit_rows)
 
     def _prepare_stack(self, batch: ForwardBatch) -> "PreparedBatch":

@@ -56,8 +56,8 @@ def test_grouped_prefills_equal_one_call_per_chunk(tiny_models, tmp_path, monkey
 
 
 def test_groups_cover_each_chunk_once_within_their_caps(monkeypatch):
-    monkeypatch.setattr(A, "GROUP_MASK_MAX", 600)
-    monkeypatch.setattr(A, "GROUP_KV_MAX", 100)
+    monkeypatch.setattr(A, "GROUP_SCORES_MAX", 600 * 4)  # 4 heads
+    monkeypatch.setattr(A, "GROUP_KEYS_MAX", 100 * 4 * 8)  # of dim 8
     bs = 4
     lens = [(3, 10), (1, 7), (12, 12), (5, 5), (2, 30), (6, 9), (40, 40), (1, 1), (3, 28), (1, 25)]  # (q_len, ctx_len)
     chunks, q = [], 0
@@ -66,7 +66,7 @@ def test_groups_cover_each_chunk_once_within_their_caps(monkeypatch):
         q += ql
     width = max(-(-cl // bs) for _, cl in lens)
     block_rows = torch.arange(len(lens) * width).view(len(lens), width) * 3 + 1  # distinct, scattered blocks
-    groups = group_prefills(chunks, block_rows, bs, "cpu")
+    groups = group_prefills(chunks, block_rows, bs, "cpu", heads=4, head_dim=8)
     dst = torch.cat([g.dst for g in groups])
     assert dst.numel() == dst.unique().numel()  # no query row twice
     grouped = {c.q_start for c in chunks if c.grouped}
