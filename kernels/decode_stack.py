@@ -35,7 +35,7 @@ class _Moe(ctypes.Structure):
     _fields_ = [("router", _W), ("score_bias", _ptr), ("gate_up", _ptr), ("down", _ptr)] + [
         (n, _i64) for n in ("experts", "top_k", "inter", "kind", "scoring", "n_group", "topk_group", "group_score",
                             "norm")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("shared", _i64),
-                                        ("shared_gate_up", _ptr), ("shared_down", _ptr)]
+                                        ("shared_gate_up", _ptr), ("shared_down", _ptr), ("shared_gate", _W)]
 
 
 class _Mla(ctypes.Structure):
@@ -90,8 +90,9 @@ class StackMoe:
     """An MoE layer (models/moe.py's MoeBlock): the router's panels (E outputs, fp32 logits),
     `moe_route.route`'s arguments, the routed experts packed for `moe_gemm.moe_experts` (slots combined in
     its call, as MoeBlock.forward runs them) and a shared expert's chunks in the same call (`shared`: the
-    stacks NativeExperts.combined appends, weighted 1). router None: a dense gated MLP packed as one
-    expert (expert_kernels.NativeGatedMlp), every row to it, top_k 1, nothing combined."""
+    stacks NativeExperts.combined appends, weighted 1, or with `shared_gate`'s panels (Qwen2-MoE's
+    [1, hidden] gate) sigmoid(x . gate)). router None: a dense gated MLP packed as one expert
+    (expert_kernels.NativeGatedMlp), every row to it, top_k 1, nothing combined."""
 
     router: native.PackedWeight | None
     experts: moe_gemm.PackedExperts
@@ -104,6 +105,7 @@ class StackMoe:
     norm: bool = False
     scale: float = 1.0
     shared: moe_gemm.PackedExperts | None = None
+    shared_gate: native.PackedWeight | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,11 @@ class DecodeStack:
         if x is not None and (r is None or (x.hidden, x.inter, x.weights, x.bf16_dot) != (p.hidden, p.inter, p.weights, p.bf16_dot)):
             raise KernelInputError(f"DecodeStack: layer {i} MoE: the shared expert's chunks [{x.num_experts} x {x.inter} x "
                                    f"{x.hidden}] are not stacks of the routed experts' shape and storage")
+        g = e.shared_gate
+        if g is not None and (x is None or not isinstance(g, native.PackedWeight) or g.gated or (g.n, g.k) != (1, hidden)):
+            raise KernelInputError(f"DecodeStack: layer {i} MoE: a shared-expert gate must be [1 x {hidden}] panels "
+                                   f"of a layer with a shared expert, got {type(g).__name__} "
+                                   f"{[getattr(g, 'n', None), getattr(g, 'k', None)]}")
         c = _Moe(experts=E, top_k=e.top_k, inter=p.inter,
                  kind=_EXPERTS[moe_gemm.experts_kernel(p)],
                  scoring=moe_route.SCORINGS.index(e.scoring), n_group=e.n_group, topk_group=e.topk_group,
@@ -335,7 +342,8 @@ class DecodeStack:
                  shared_gate_up=x.gate_up.data_ptr() if x is not None else None,
                  shared_down=x.down.data_ptr() if x is not None else None)
         self._keep += [_bind_weight(c.router, r) if r is not None else None, p.gate_up, p.down, e.score_bias, c,
-                       x.gate_up if x is not None else None, x.down if x is not None else None]
+                       x.gate_up if x is not None else None, x.down if x is not None else None,
+                       _bind_weight(c.shared_gate, g) if g is not None else None]
         return c
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,

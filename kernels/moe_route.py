@@ -18,6 +18,8 @@ def _configure(lib) -> None:
     lib.di_moe_route_f32.argtypes = [fp, i64, i64, i64, fp, ctypes.c_int, i64, i64, ctypes.c_int, i64,
                                      ctypes.c_int, ctypes.c_float, ctypes.c_float, fp, fp]
     lib.di_moe_route_f32.restype = ctypes.c_int
+    lib.di_sigmoid_f32.argtypes = [fp, i64, fp]
+    lib.di_sigmoid_f32.restype = None
 
 
 def _lib():
@@ -83,3 +85,15 @@ def route_reference(logits: torch.Tensor, top_k: int, scoring: str, bias: torch.
     if norm:
         w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
     return (w * scale if scale != 1.0 else w), idx
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) elementwise, fp32 on CPU: the routing's sigmoid (csrc/moe_route.c), which the
+    decode stack also computes for Qwen2-MoE's shared-expert gate."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise KernelInputError(f"moe_route.sigmoid needs a float32 CPU tensor, got "
+                               f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', '?')}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _lib().di_sigmoid_f32(x.data_ptr(), x.numel(), y.data_ptr())
+    return y

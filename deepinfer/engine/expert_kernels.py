@@ -66,10 +66,11 @@ class NativeExperts(nn.Module):
             (p.hidden, p.inter, p.weights, p.bf16_dot)
 
     def combined(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, shared=None,
-                 add: torch.Tensor | None = None) -> torch.Tensor:
+                 add: torch.Tensor | None = None, shared_weight: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H]: sum_j w[t, j] * expert idx[t, j] (x[t]) in slot order, in one native call, then
         + the shared gated MLP `shared` (one whose `can_fuse`: its chunks run in the same call, as extra
-        groups, so no second call and no second pass over the output) or + add.
+        groups, so no second call and no second pass over the output; each chunk's slot weighted 1, or
+        shared_weight [T, 1]: Qwen2-MoE's gate) or + add.
 
         Why: at a batch-32 decode step of the V3-shaped model the torch combine (a [T, k, H] multiply,
         k - 1 adds, + shared) and the shared expert's own call cost 0.3 + 1.05 ms per layer next to the
@@ -84,7 +85,7 @@ class NativeExperts(nn.Module):
             t, m = x.shape[0], extra.num_experts
             ids = torch.arange(self._packed.num_experts, self._packed.num_experts + m, dtype=idx.dtype)
             idx = torch.cat([idx, ids.expand(t, m)], 1)
-            w = torch.cat([w, w.new_ones(t, m)], 1)
+            w = torch.cat([w, w.new_ones(t, m) if shared_weight is None else shared_weight.to(w.dtype).expand(t, m)], 1)
         return self._kernel(x, idx, self._packed, extra=extra, weights=w, add=add)
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:

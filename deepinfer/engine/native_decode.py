@@ -12,8 +12,9 @@ runner sets on the native panels, so the per-op path computes them so too), whos
 blocks (QuantLinear) or native panels (CpuLinear's native backend) and whose norms, rotary + KV store
 and attention are the native kernels; each MLP a gated MLP on those projections or (panels) an MoE
 block routed and run by the native kernels, a shared expert fused into the routed experts' call
-(Qwen3-MoE, DeepSeek-V3). Anything else (Qwen2-MoE's gated shared expert, expert parallelism, oneDNN
-or F.linear projections) keeps the per-op path.
+(DeepSeek-V3; Qwen2-MoE with its gate, where the shared expert's width is a multiple of the routed
+experts', as Qwen1.5-MoE's 5632 = 4 x 1408). Anything else (a shared expert that does not fuse,
+expert parallelism, oneDNN or F.linear projections) keeps the per-op path.
 
 Why for MoE models: at a batch-128 decode step of benchmarks/moe.py's Qwen3-MoE-shaped model the
 per-op path spent ~13 of ~90 ms in Python between the kernels (ctypes calls, checks, allocations;
@@ -121,17 +122,21 @@ def _moe(block: MoeBlock, weight) -> StackMoe | None:
             or type(kernel) is not NativeExperts or kernel._kernel is not moe_gemm.moe_experts
             or block.gate_weight.dtype != torch.float32):
         return None
-    shared = None
-    if block.shared is not None:  # only the fused form (no shared-expert gate)
-        if block.shared_gate_weight is not None or not kernel.can_fuse(block.shared):
+    shared = gate = None
+    if block.shared is not None:  # only the fused form (MoeBlock.forward's: chunks in the experts' call)
+        if not kernel.can_fuse(block.shared):
             return None
         shared = block.shared.kernel.chunks
+        if block.shared_gate_weight is not None:  # Qwen2-MoE: its gate's panels
+            gate = weight(block.shared_gate_weight)
+            if gate is None:
+                return None
     router = weight(block.gate_weight)
     if router is None:
         return None
     bias = block.score_bias.data if block.score_bias is not None else None
     return StackMoe(router, kernel._packed, m.top_k, m.scoring, bias, m.n_group, m.topk_group, m.group_score,
-                    bool(m.norm_topk_prob), float(m.routed_scaling_factor), shared)
+                    bool(m.norm_topk_prob), float(m.routed_scaling_factor), shared, gate)
 
 
 def _mla(attn: MlaAttention, weight) -> StackMla | None:

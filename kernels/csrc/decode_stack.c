@@ -68,6 +68,7 @@ int di_gemm_bf16dot(const float *x, int64_t ldx, int64_t M, const uint16_t *wp, 
 int di_moe_route_f32(const float *logits, int64_t lde, int64_t T, int64_t E, const float *bias, int scoring,
                      int64_t n_group, int64_t topk_group, int group_score, int64_t top_k, int norm, float eps,
                      float scale, float *w_out, int64_t *idx_out);
+void di_sigmoid_f32(const float *x, int64_t n, float *y);
 #define DS_EXPERTS_ARGS(wt)                                                                                  \
     const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *idx, int64_t E, const wt *gu,         \
         const wt *down, int64_t xE, const wt *xgu, const wt *xdown, int64_t H, int64_t I, float *h, float *y, \
@@ -97,6 +98,8 @@ typedef struct {
     float eps, scale;
     int64_t shared;                             /* the shared expert's chunks (0: none) */
     const void *shared_gate_up, *shared_down; /* their stacks, the routed experts' storage */
+    di_ds_weight shared_gate; /* Qwen2-MoE's shared-expert gate [1 x hidden] as panels (zeros: none): its
+                               * chunks' slots weighted sigmoid(x . gate) instead of 1 */
 } di_ds_moe;
 
 /* a latent attention block (models/mla.py's MlaAttention, absorbed projections one linear a head): q_a
@@ -303,8 +306,9 @@ static int run_experts(const di_ds_model *m, const di_ds_moe *e, const float *x,
 }
 
 /* out [M, hidden] = an MoE layer on x: MoeBlock.forward's calls (the router's logits, route, the
- * experts with the slot combine in one call, a shared expert's chunks as slots k.. weighted 1, as
- * NativeExperts.combined appends them) with the same arguments. Without a router (router[0] 0):
+ * experts with the slot combine in one call, a shared expert's chunks as slots k.. weighted 1, or with
+ * a shared-expert gate sigmoid(x . gate) (its panels, then di_sigmoid_f32), as NativeExperts.combined
+ * appends them) with the same arguments. Without a router (router[0] 0):
  * a dense gated MLP packed as a one-expert stack (expert_kernels.NativeGatedMlp): every row to expert
  * 0, its output straight to out. */
 static int moe_mlp(const di_ds_model *m, const scratch *s, const di_ds_moe *e, const float *x, int64_t M, float *out) {
@@ -321,7 +325,13 @@ static int moe_mlp(const di_ds_model *m, const scratch *s, const di_ds_moe *e, c
         const int64_t k = e->top_k, xE = e->shared;
         const float *wts = s->rw;
         const int64_t *idx = s->ridx;
-        if (xE) { /* [routed slots | the shared chunks], weights [routed | 1] */
+        if (xE) { /* [routed slots | the shared chunks], weights [routed | 1, or the gate] */
+            float *gate = NULL;
+            if (e->shared_gate[0]) { /* the router's logits are consumed: their scratch holds the gate's */
+                gate = s->logits;
+                if (project_panels(e->shared_gate, x, M, 0, gate)) return DS_KERNEL;
+                di_sigmoid_f32(gate, M, gate);
+            }
             for (int64_t t = 0; t < M; ++t) {
                 for (int64_t j = 0; j < k; ++j) {
                     s->ridx2[t * (k + xE) + j] = s->ridx[t * k + j];
@@ -329,7 +339,7 @@ static int moe_mlp(const di_ds_model *m, const scratch *s, const di_ds_moe *e, c
                 }
                 for (int64_t j = 0; j < xE; ++j) {
                     s->ridx2[t * (k + xE) + k + j] = E + j;
-                    s->rw2[t * (k + xE) + k + j] = 1.f;
+                    s->rw2[t * (k + xE) + k + j] = gate ? gate[t] : 1.f;
                 }
             }
             wts = s->rw2;

@@ -95,3 +95,9 @@ int di_moe_route_f32(const float *logits, int64_t lde, int64_t T, int64_t E, con
     }
     return failed ? -2 : 0;
 }
+
+/* y[i] = 1 / (1 + exp(-x[i])), the sigmoid of scoring 1 above: Qwen2-MoE's shared-expert gate, in
+ * MoeBlock.forward's fused call and in the decode stack alike (one definition, the same bits) */
+void di_sigmoid_f32(const float *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; ++i) y[i] = 1.f / (1.f + expf(-x[i]));
+}

@@ -154,8 +154,8 @@ def test_stack_binds_only_models_it_computes_exactly(tiny_models, moe_models):
         onednn = CpuLinear(fp32.model.linear_weights(), backend="onednn")
         assert bind_decode_stack(fp32.model, onednn, fp32.kv_caches, BS, 8) is None
         assert bind_decode_stack(fp32.model, fp32.linear, fp32.kv_caches, BS, 8) is not None
-    # Qwen2-MoE's gated shared expert keeps the per-op path (DeepSeek-V3's latent attention and fused
-    # shared expert do not: test_latent_stack_is_bitwise_the_per_op_path)
+    # a shared expert that does not fuse (48 wide beside 32-wide routed experts) keeps the per-op path;
+    # Qwen2-MoE's gated one that fuses does not (test_gated_shared_expert_stack_is_bitwise_the_per_op_path)
     assert _panel_engine(moe_models["qwen2_moe"]).runner.decode_stack is None
 
 
@@ -167,6 +167,8 @@ def moe_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("stack_moe")
     models = {a: make_moe_model(root / a, a, seed=2) for a in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2")}
+    # a shared expert twice a routed expert's width (Qwen1.5-MoE's is 4x): it fuses, with its gate
+    models["qwen2_moe_fused"] = make_moe_model(root / "q2f", "qwen2_moe", seed=2, shared_expert_intermediate_size=64)
     # no q_lora (a plain q projection), rope pairs not interleaved, plain rope, no group-limited routing
     models["deepseek_v3_plain"] = make_moe_model(root / "v3_plain", "deepseek_v3", seed=2, q_lora_rank=None,
                                                  rope_interleave=False, n_group=1, topk_group=1,
@@ -234,6 +236,22 @@ def test_moe_stack_is_bitwise_the_per_op_path(moe_models, kw):
     assert sum(isinstance(m, NativeExperts) for m in mods) == 2 and any(isinstance(m, NativeGatedMlp) for m in mods)
     if "moe_expert_dtype" in kw:
         assert all(m.weights == torch.bfloat16 for m in mods if isinstance(m, NativeExperts))
+    _steps_match(runner, (1, 5, 40, 150))
+
+
+@pytest.mark.parametrize("kw", [{}, {"batch_invariant": True}], ids=["fp32", "invariant"])
+def test_gated_shared_expert_stack_is_bitwise_the_per_op_path(moe_models, kw):
+    """Qwen2-MoE: the shared expert's chunks in the routed experts' call, their slots weighted by
+    sigmoid(x . shared_expert_gate) (the gate's panels, the native sigmoid), as MoeBlock.forward runs it."""
+    from deepinfer.engine.models.moe import MoeBlock
+
+    eng = _panel_engine(moe_models["qwen2_moe_fused"], **kw)
+    runner = eng.runner
+    if runner.linear.backend != "native":
+        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.decode_stack is not None
+    blocks = [m for m in runner.model.modules() if isinstance(m, MoeBlock)]
+    assert blocks and all(b.shared_gate_weight is not None and b.expert_kernel.can_fuse(b.shared) for b in blocks)
     _steps_match(runner, (1, 5, 40, 150))
 
 

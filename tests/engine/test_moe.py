@@ -27,6 +27,9 @@ def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     return {
         "qwen2_moe": make_moe_model(root / "qwen2_moe", "qwen2_moe", seed=1),
+        # its shared expert twice a routed expert's width: fused into the experts' call, gate and all
+        "qwen2_moe_fused": make_moe_model(root / "qwen2_moe_fused", "qwen2_moe", seed=1,
+                                          shared_expert_intermediate_size=64),
         "qwen3_moe": make_moe_model(root / "qwen3_moe", "qwen3_moe", seed=2),
         "deepseek_v3": make_moe_model(root / "deepseek_v3", "deepseek_v3", seed=3),
         "deepseek_v3_plain": make_moe_model(root / "deepseek_v3_plain", "deepseek_v3", seed=4, **PLAIN_V3),
@@ -41,8 +44,8 @@ def _prompts(n: int, seed: int, lo: int = 6, hi: int = 24, prefix: str = "") -> 
     return [prefix + " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_plain", "deepseek_v2",
-                                  "deepseek_v2_greedy"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen2_moe_fused", "qwen3_moe", "deepseek_v3", "deepseek_v3_plain",
+                                  "deepseek_v2", "deepseek_v2_greedy"])
 def test_logits_and_greedy_match_transformers(moe_models, arch):
     path = moe_models[arch]
     eng = Engine(str(path), kv_cache_memory=8 << 20, block_size=4)

@@ -249,8 +249,13 @@ class MoeBlock(nn.Module):
             # experts, slot combine and (fused, or added) shared expert in one native call: the same
             # bits as the path below (products rounded, then summed in slot order, + shared)
             idx = self.to_local(idx)
-            if self.shared is not None and self.shared_gate_weight is None and kernel.can_fuse(self.shared):
-                return kernel.combined(x, idx, w, shared=self.shared)
+            if self.shared is not None and kernel.can_fuse(self.shared):
+                if self.shared_gate_weight is None:
+                    return kernel.combined(x, idx, w, shared=self.shared)
+                # Qwen2-MoE: the shared chunks' slots weighted by the gate, with the native sigmoid (the
+                # decode stack's: native_decode binds this form)
+                gate = moe_route.sigmoid(meta.linear(x, self.shared_gate_weight, None))
+                return kernel.combined(x, idx, w, shared=self.shared, shared_weight=gate)
             add = self._shared_out(x, meta) if self.shared is not None else None
             return kernel.combined(x, idx, w, add=add)
         if self.dispatcher is not None:  # [T, k, H] computed where the experts live
