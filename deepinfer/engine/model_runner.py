@@ -162,10 +162,9 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, MlaAttention):
                     m.absorb_per_head = True
-        # (not with speculative="mtp": its MTP layers run per op on the step's attention metadata, which a
-        # stack step does not build)
-        if (self.token_attention is not None and (quant_mode or native_panels) and self.num_mtp_layers == 0
-                and not self.use_graphs):
+        # (with speculative="mtp" too: the target's steps run on it, its MTP layers per op on batches
+        # prepared with per_op=True, which build the attention metadata a stack step does not)
+        if self.token_attention is not None and (quant_mode or native_panels) and not self.use_graphs:
             from deepinfer.engine.native_decode import bind_decode_stack
 
             self.decode_stack = bind_decode_stack(self.model, self.linear, self.kv_caches, self.block_size,
@@ -443,14 +442,15 @@ class ModelRunner:
             points.append((T, best))
         return points
 
-    def prepare(self, batch: ForwardBatch) -> "PreparedBatch":
+    def prepare(self, batch: ForwardBatch, per_op: bool = False) -> "PreparedBatch":
         """The attention metadata of a batch (gather indices, prefill chunks, native-kernel inputs),
-        built on the host; `forward` then only runs the model."""
+        built on the host; `forward` then only runs the model. per_op: never the decode stack's form
+        (a batch for layers the stack does not hold: speculative="mtp"'s MTP layers)."""
         bs = batch.block_size
         dev = self.device
         bt = batch.block_tables
         nd = batch.num_decodes
-        stack = self.decode_stack is not None and batch.num_tokens <= self.decode_stack.max_rows
+        stack = not per_op and self.decode_stack is not None and batch.num_tokens <= self.decode_stack.max_rows
         if stack and nd == batch.num_seqs:  # decodes only (the common step: no lists built)
             return self._prepare_stack(batch)
         lens = batch.query_lens.tolist()

@@ -62,6 +62,7 @@ def _pair(path, **kw):
     base.update(kw)
     off = Engine(str(path), **base)
     on = Engine(str(path), speculative="mtp", speculative_budget=False, **base)
+    _count_stack_calls(on)  # (the target's steps on the decode stack, its MTP layer per op)
     return off, on
 
 
@@ -109,6 +110,7 @@ def test_drafts_equal_a_from_scratch_mtp_pass(tmp_path):
     eng = Engine(str(path), kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=8,
                  speculative="mtp", speculative_budget=False)
     drafter = eng.speculator.drafter
+    stack = _count_stack_calls(eng)
     seen: dict[int, dict[int, int]] = {}  # id(seq) -> {position predicted: draft}
     seqs = {}
     real = drafter.after_step
@@ -143,6 +145,26 @@ def test_drafts_equal_a_from_scratch_mtp_pass(tmp_path):
                 checked += 1
     assert checked >= len(outs) * 8
     assert drafter.rows > 0
+    assert stack is None or stack.calls > 0  # the target's steps ran on the decode stack where it binds
+
+
+class _CountingStack:
+    def __init__(self, stack):
+        self.stack, self.max_rows, self.calls = stack, stack.max_rows, 0
+
+    def __call__(self, *a):
+        self.calls += 1
+        return self.stack(*a)
+
+
+def _count_stack_calls(eng):
+    """Wrap the engine's decode stack (bound on the native panels, MTP or not) to count its steps."""
+    runner = eng.runner
+    if runner.linear.backend != "native":
+        return None
+    assert runner.decode_stack is not None
+    runner.decode_stack = _CountingStack(runner.decode_stack)
+    return runner.decode_stack
 
 
 def test_model_without_mtp_layer_is_refused(tmp_path):
