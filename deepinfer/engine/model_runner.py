@@ -149,6 +149,7 @@ class ModelRunner:
         # decode-only steps of few rows through one native call (native_decode.py), when it binds: GGUF
         # blocks, or the native panel GEMM (fp32 / 16-bit checkpoints, dense, Qwen-style MoE, DeepSeek)
         self.decode_stack = None
+        self.mtp_stacks: list = [None] * self.num_mtp_layers  # speculative="mtp": a stack per MTP layer, or None
         # a step that needs logits for only some rows (a prefill) runs its last layer's attention output
         # projection and MLP on those rows alone (ForwardContext.keep_rows); off: on every row
         self.prune_last_layer = True
@@ -162,13 +163,16 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, MlaAttention):
                     m.absorb_per_head = True
-        # (with speculative="mtp" too: the target's steps run on it, its MTP layers per op on batches
-        # prepared with per_op=True, which build the attention metadata a stack step does not)
+        # (with speculative="mtp" too: the target's steps on it, its MTP layers on stacks of their own)
         if self.token_attention is not None and (quant_mode or native_panels) and not self.use_graphs:
             from deepinfer.engine.native_decode import bind_decode_stack
 
             self.decode_stack = bind_decode_stack(self.model, self.linear, self.kv_caches, self.block_size,
                                                   self.config.max_num_seqs)
+            # and one per MTP layer, over its block and head norm (the drafter's rows, once eh_proj mixed them)
+            self.mtp_stacks = [bind_decode_stack(self.model, self.linear, [kv], self.block_size, self.config.max_num_seqs,
+                                                 mtp_depth=d) if self.decode_stack is not None else None
+                               for d, kv in enumerate(self.mtp_caches)]
         self.graphs = self._capture_graphs() if self.use_graphs else None
 
     def kv_cache_dtype(self, quant_mode: str | None) -> torch.dtype:
@@ -442,15 +446,16 @@ class ModelRunner:
             points.append((T, best))
         return points
 
-    def prepare(self, batch: ForwardBatch, per_op: bool = False) -> "PreparedBatch":
+    def prepare(self, batch: ForwardBatch, mtp_depth: int | None = None) -> "PreparedBatch":
         """The attention metadata of a batch (gather indices, prefill chunks, native-kernel inputs),
-        built on the host; `forward` then only runs the model. per_op: never the decode stack's form
-        (a batch for layers the stack does not hold: speculative="mtp"'s MTP layers)."""
+        built on the host; `forward` then only runs the model. mtp_depth: a batch for that MTP layer
+        (`forward_mtp`), in its stack's form where it has one."""
         bs = batch.block_size
         dev = self.device
         bt = batch.block_tables
         nd = batch.num_decodes
-        stack = not per_op and self.decode_stack is not None and batch.num_tokens <= self.decode_stack.max_rows
+        st = self.decode_stack if mtp_depth is None else self.mtp_stacks[mtp_depth]
+        stack = st is not None and batch.num_tokens <= st.max_rows
         if stack and nd == batch.num_seqs:  # decodes only (the common step: no lists built)
             return self._prepare_stack(batch)
         lens = batch.query_lens.tolist()
@@ -546,8 +551,13 @@ class ModelRunner:
         dev = self.device
         with K.use_backend(self.kernels), sdpa_scope(dev):
             rows = batch.logit_rows.to(dev)
-            logits = self.model.mtp_logits(batch.input_ids.to(dev), batch.positions.to(dev), hidden, batch.ctx,
-                                           self.mtp_caches[depth], depth, rows=rows)
+            ids = batch.input_ids.to(dev)
+            if batch.stack_block_tables is not None:  # prepare(mtp_depth=...) chose the MTP layer's stack
+                x = self.model.mtp[depth].mix(ids, hidden, self.linear, self.model.embed)
+                h = self.mtp_stacks[depth](x, batch.positions, batch.ctx.slot_mapping, batch.stack_block_tables)
+                return self.model.mtp_head(h.index_select(0, rows), depth, self.linear)
+            logits = self.model.mtp_logits(ids, batch.positions.to(dev), hidden, batch.ctx, self.mtp_caches[depth], depth,
+                                           rows=rows)
         return logits
 
     def _forward(self, batch: "PreparedBatch", prev_tokens: torch.Tensor | None,

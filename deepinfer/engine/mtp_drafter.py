@@ -91,7 +91,7 @@ class MtpDrafter:
         rows = torch.cat([hidden[r0 : r0 + len(t)] for _, _, t, r0, _ in runs])
         batch = ForwardBatch.build([r[2] for r in runs], [r[1] for r in runs], [r[0].block_table for r in runs],
                                    logit_rows, self.block_size)
-        logits = self.runner.forward_mtp(self.runner.prepare(batch, per_op=True), rows)
+        logits = self.runner.forward_mtp(self.runner.prepare(batch, mtp_depth=0), rows)
         if owners:
             p, tok = torch.softmax(logits.float(), dim=-1).max(dim=-1)
             for seq, t, q in zip(owners, tok.tolist(), p.tolist()):

@@ -41,15 +41,18 @@ from deepinfer_kernels.decode_stack import DecodeStack, StackLayer, StackMla, St
 
 def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear | CpuLinear,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                      max_seqs: int = 1) -> DecodeStack | None:
+                      max_seqs: int = 1, mtp_depth: int | None = None) -> DecodeStack | None:
     """The stack over `model`'s layers and caches, or None when the model is not one it computes
     exactly as the per-op path does (see the module docstring). It takes steps of up to max_seqs rows
-    (see `stack_kernels`)."""
+    (see `stack_kernels`). mtp_depth: over the model's MTP layer of that depth instead (models/mtp.py:
+    its decoder block, then its shared head's norm; kv_caches: its cache), for the rows eh_proj made."""
     blocks = isinstance(linear, QuantLinear)
     panels = isinstance(linear, CpuLinear) and linear.backend == "native"
     if not (blocks or panels) or type(model).forward is not DecoderForCausalLM.forward:
         return None
-    if type(model).embed is not DecoderForCausalLM.embed or len(kv_caches) != len(model.layers) or not kv_caches:
+    stack_layers = model.layers if mtp_depth is None else [model.mtp[mtp_depth].block]
+    final = model.norm if mtp_depth is None else model.mtp[mtp_depth].head_norm
+    if type(model).embed is not DecoderForCausalLM.embed or len(kv_caches) != len(stack_layers) or not kv_caches:
         return None
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     if any(n.fused_add is not native.add_rmsnorm or n.eps != model.norm.eps for n in norms):
@@ -64,45 +67,52 @@ def bind_decode_stack(model: DecoderForCausalLM, linear: QuantLinear | CpuLinear
             return linear.table.get(w.data_ptr())
         return (linear.packed_gated if gated else linear.packed).get(w.data_ptr())
 
-    layers = []
-    for layer, kv in zip(model.layers, kv_caches):
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not DecoderLayer or len(attn.kernels) or attn.rotary is not rot:
-            return None
-        mla = None
-        if type(attn) is MlaAttention and panels and len(kv) == 1:  # the latent cache, one tensor
-            mla, (kc,) = _mla(attn, weight), kv
-            vc = kc
-            if mla is None:
-                return None
-        elif type(attn) is not Attention or attn.scale != attn.head_dim**-0.5 or len(kv) != 2:
-            return None
-        else:
-            kc, vc = kv
-        moe = None
-        if type(mlp) is GatedMLP and mlp.kernel is None:
-            mlp_weights = [weight(mlp.gate_up_weight, gated=panels), weight(mlp.down_weight)]
-        elif panels and type(mlp) is GatedMLP and _one_expert(mlp.kernel):  # an MoE model's dense layer
-            moe, mlp_weights = StackMoe(None, mlp.kernel._packed, 1), [None, None]
-        elif panels and type(mlp) is MoeBlock:
-            moe, mlp_weights = _moe(mlp, weight), [None, None]
-            if moe is None:
-                return None
-        else:
-            return None
-        proj = [weight(attn.qkv_weight) if mla is None else None, weight(attn.o_weight)]
-        if proj[1] is None or (mla is None and proj[0] is None) or (moe is None and any(w is None for w in mlp_weights)):
-            return None  # a projection without blocks or panels (through F.linear)
-        bias = attn.qkv_bias.data if mla is None and attn.qkv_bias is not None else None
-        norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if mla is None and attn.q_norm is not None else (None, None)
-        layers.append(StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                 proj[0], bias, proj[1], *mlp_weights, kc, vc, *norms, moe=moe, mla=mla))
+    layers = [_layer(layer, kv, weight, rot, panels) for layer, kv in zip(stack_layers, kv_caches)]
+    if any(ly is None for ly in layers):
+        return None
+    heads = stack_layers[0].self_attn.n_heads
     if panels:  # (the panel GEMMs take any row count with the same bits)
-        return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps,
-                           model.layers[0].self_attn.n_heads, block_size, "exact", max(max_seqs, 1))
+        return DecodeStack(layers, final.weight.data, rot.cos, rot.sin, final.eps, heads, block_size, "exact",
+                           max(max_seqs, 1))
     rows, many = stack_kernels(linear, max_seqs)
-    return DecodeStack(layers, model.norm.weight.data, rot.cos, rot.sin, model.norm.eps, model.layers[0].self_attn.n_heads,
-                       block_size, linear.row_mode, rows, many, (INT8_OUTER_M, INT8_OUTER_M_Q4))
+    return DecodeStack(layers, final.weight.data, rot.cos, rot.sin, final.eps, heads, block_size, linear.row_mode, rows,
+                       many, (INT8_OUTER_M, INT8_OUTER_M_Q4))
+
+
+def _layer(layer, kv, weight, rot, panels: bool) -> StackLayer | None:
+    """The stack's view of one decoder layer and its cache, or None where the stack does not compute
+    it as the per-op path does."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(layer) is not DecoderLayer or len(attn.kernels) or attn.rotary is not rot:
+        return None
+    mla = None
+    if type(attn) is MlaAttention and panels and len(kv) == 1:  # the latent cache, one tensor
+        mla, (kc,) = _mla(attn, weight), kv
+        vc = kc
+        if mla is None:
+            return None
+    elif type(attn) is not Attention or attn.scale != attn.head_dim**-0.5 or len(kv) != 2:
+        return None
+    else:
+        kc, vc = kv
+    moe = None
+    if type(mlp) is GatedMLP and mlp.kernel is None:
+        mlp_weights = [weight(mlp.gate_up_weight, gated=panels), weight(mlp.down_weight)]
+    elif panels and type(mlp) is GatedMLP and _one_expert(mlp.kernel):  # an MoE model's dense layer
+        moe, mlp_weights = StackMoe(None, mlp.kernel._packed, 1), [None, None]
+    elif panels and type(mlp) is MoeBlock:
+        moe, mlp_weights = _moe(mlp, weight), [None, None]
+        if moe is None:
+            return None
+    else:
+        return None
+    proj = [weight(attn.qkv_weight) if mla is None else None, weight(attn.o_weight)]
+    if proj[1] is None or (mla is None and proj[0] is None) or (moe is None and any(w is None for w in mlp_weights)):
+        return None  # a projection without blocks or panels (through F.linear)
+    bias = attn.qkv_bias.data if mla is None and attn.qkv_bias is not None else None
+    norms = (attn.q_norm.weight.data, attn.k_norm.weight.data) if mla is None and attn.q_norm is not None else (None, None)
+    return StackLayer(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                      proj[0], bias, proj[1], *mlp_weights, kc, vc, *norms, moe=moe, mla=mla)
 
 
 def _one_expert(kernel) -> bool:

@@ -189,3 +189,35 @@ def test_preemption_and_prefix_hits(oracle):
     assert spec.stats.cached_prompt_tokens > 0
     assert spec.stats.accepted_draft_tokens > 0
     assert_all_blocks_free(spec)
+
+
+def test_mtp_layer_stack_is_bitwise_its_per_op_path(oracle):
+    """The MTP layer's own decode stack (its block and head norm over the rows eh_proj mixed): every MTP
+    batch's logits equal, bit for bit, those of the same batch through the layer per op."""
+    eng = Engine(str(oracle), kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=16, speculative="mtp",
+                 speculative_budget=False)
+    runner = eng.runner
+    if runner.linear.backend != "native":
+        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.mtp_stacks[0] is not None
+    real_prepare, real_forward = runner.prepare, runner.forward_mtp
+    twins, checked = {}, []
+
+    def prepare(batch, mtp_depth=None):
+        p = real_prepare(batch, mtp_depth)
+        if mtp_depth is not None:
+            stack, runner.mtp_stacks[mtp_depth] = runner.mtp_stacks[mtp_depth], None
+            twins[id(p)] = real_prepare(batch, mtp_depth)  # the same batch in the per-op form
+            runner.mtp_stacks[mtp_depth] = stack
+        return p
+
+    def forward_mtp(batch, hidden, depth=0):
+        out = real_forward(batch, hidden, depth)
+        if batch.stack_block_tables is not None:
+            assert torch.equal(out, real_forward(twins.pop(id(batch)), hidden, depth))  # (rewrites the same KV)
+            checked.append(out.shape[0])
+        return out
+
+    runner.prepare, runner.forward_mtp = prepare, forward_mtp
+    eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert len(checked) >= 8 and sum(checked) > 0

@@ -75,8 +75,13 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         h = m(input_ids, positions, hidden, meta, kv_cache, rope, self.embed)
         if rows is not None:
             h = h.index_select(0, rows)
+        return self.mtp_head(h, depth, meta.linear)
+
+    def mtp_head(self, h: torch.Tensor, depth: int, linear) -> torch.Tensor:
+        """Logits (fp32) of MTP layer `depth`'s normed hidden states h (its own head, else the model's)."""
+        m = self.mtp[depth]
         head = m.head if m.head is not None else (self.embed_tokens if self.lm_head is None else self.lm_head)
-        return meta.linear(h, head, None).float()
+        return linear(h, head, None).float()
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

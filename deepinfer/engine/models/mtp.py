@@ -37,11 +37,16 @@ class MtpModule(nn.Module):
     def forward(self, input_ids, positions, prev_hidden, meta: ForwardContext, kv_cache, rope, embed) -> torch.Tensor:
         """The normed hidden state [T, hidden] whose logits predict the token after input_ids; embed: the
         main model's token embedding (ids -> [T, hidden]), used where this layer has none of its own."""
-        e = self.enorm(F.embedding(input_ids, self.embed) if self.embed is not None else embed(input_ids))
-        x = meta.linear(torch.cat([e, self.hnorm(prev_hidden)], dim=-1), self.eh_weight, None)
+        x = self.mix(input_ids, prev_hidden, meta.linear, embed)
         h, residual = self.block(rope, x, None, meta, kv_cache)
         out, _ = self.head_norm.add_forward(h, residual)
         return out
+
+    def mix(self, input_ids, prev_hidden, linear, embed) -> torch.Tensor:
+        """eh_proj([enorm(embed(x_{i+1})); hnorm(h_i)]): the rows its decoder block takes (the native
+        decode stack runs the block and head norm from here, model_runner.forward_mtp)."""
+        e = self.enorm(F.embedding(input_ids, self.embed) if self.embed is not None else embed(input_ids))
+        return linear(torch.cat([e, self.hnorm(prev_hidden)], dim=-1), self.eh_weight, None)
 
     def linear_weights(self) -> list[torch.Tensor]:
         ws = [self.eh_weight.data] + self.block.self_attn.linear_weights() + self.block.mlp.linear_weights()
