@@ -239,8 +239,16 @@ class MoeBlock(nn.Module):
     def _shared_out(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         s = self.shared(x, meta)
         if self.shared_gate_weight is not None:
-            s = torch.sigmoid(meta.linear(x, self.shared_gate_weight, None)) * s
+            s = self._shared_gate(x, meta) * s
         return s
+
+    def _shared_gate(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
+        """sigmoid(x . shared_expert_gate) [T, 1] (Qwen2-MoE): on CPU fp32 moe_route.c's sigmoid, the one
+        the decode stack computes, so the fused, added and stacked forms share its bits; torch's elsewhere."""
+        g = meta.linear(x, self.shared_gate_weight, None)
+        if g.device.type == "cpu" and g.dtype == torch.float32 and moe_route.available():
+            return moe_route.sigmoid(g)
+        return torch.sigmoid(g)
 
     def forward(self, x: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
         w, idx = self.route(x, meta)
@@ -252,10 +260,8 @@ class MoeBlock(nn.Module):
             if self.shared is not None and kernel.can_fuse(self.shared):
                 if self.shared_gate_weight is None:
                     return kernel.combined(x, idx, w, shared=self.shared)
-                # Qwen2-MoE: the shared chunks' slots weighted by the gate, with the native sigmoid (the
-                # decode stack's: native_decode binds this form)
-                gate = moe_route.sigmoid(meta.linear(x, self.shared_gate_weight, None))
-                return kernel.combined(x, idx, w, shared=self.shared, shared_weight=gate)
+                # Qwen2-MoE: the shared chunks' slots weighted by the gate (native_decode binds this form)
+                return kernel.combined(x, idx, w, shared=self.shared, shared_weight=self._shared_gate(x, meta))
             add = self._shared_out(x, meta) if self.shared is not None else None
             return kernel.combined(x, idx, w, add=add)
         if self.dispatcher is not None:  # [T, k, H] computed where the experts live
