@@ -12,10 +12,9 @@ values the cache holds.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
