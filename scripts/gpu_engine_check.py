@@ -6,6 +6,8 @@
    the same device; in bf16, their experts through the TileLang grouped GEMM against kernels="torch";
 4. benchmarks/moe.py's Qwen3-MoE- and DeepSeek-V3-shaped models (bf16): ours vs transformers
    `generate` on the device at batch 1 / 32 / 128, output tokens/s;
+   and the same models as block-FP8 checkpoints: projections kept FP8 (the W8A16 TileLang kernels)
+   against the checkpoint dequantised at load: weight bytes, greedy agreement, tokens/s;
 5. batch-invariant mode: one prompt alone vs inside random batches (fp32, bf16);
 6. a Qwen3-shaped model of ~0.5B parameters (random weights, bf16; the default model's tokenizer):
    a. JSON-schema and regex requests at batch 64, every output validated; constrained /
@@ -150,6 +152,52 @@ def moe_throughput(dev, root, batches, new_tokens, tiny):
             row.append(f"b{b}: ours {o:.0f} / transformers {h:.0f} tok/s = {o / h:.2f}x")
         print(f"{kind} ({dtype}): " + "; ".join(row), flush=True)
         del eng, hf
+
+
+def fp8_kept_vs_dequantised(dev, root, batches, new_tokens, tiny):
+    """benchmarks/moe.py's DeepSeek-V3- and Qwen3-MoE-shaped models saved as block-FP8 checkpoints
+    (128 x 128 blocks; --tiny: the factory's tiny models in 16 x 16): the projections kept FP8 (the
+    W8A16 kernels on CUDA bf16; on CPU fp32 dequantised per call) against the same checkpoint
+    dequantised at load: weight bytes, greedy agreement, output tokens/s."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import moe as bench
+    from fp8_factory import fp8_checkpoint
+    from moe_factory import make_moe_model
+
+    cuda = dev.startswith("cuda")
+    dtype = "bfloat16" if cuda else "float32"
+    for kind in ("v3", "qwen3"):
+        if tiny:
+            src = make_moe_model(root / f"fp8src_{kind}", {"qwen3": "qwen3_moe", "v3": "deepseek_v3"}[kind], seed=2)
+        else:
+            src = pathlib.Path(bench.build(kind, str(root / "fp8src"), torch.bfloat16))
+        path = root / f"fp8_{kind}"
+        fp8_checkpoint(src, path, (16, 16) if tiny else (128, 128))
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        kw = dict(device=dev, dtype=dtype, kv_cache_memory=(4 << 30) if cuda else 64 << 20, max_num_seqs=max(batches))
+        kept = Engine(str(path), fp8_weights="keep", **kw)
+        deq = Engine(str(path), fp8_weights="dequantize", **kw)
+        lin = kept.runner.linear
+        print(f"{kind}: kept {kept.precision}, kernel {lin.use_kernel}, grouped experts in "
+              f"{kept.runner.expert_kernel_blocks} layers; weights held {kept.stats.weight_bytes / 1e6:.1f} MB kept "
+              f"(FP8 codes + scales {lin.nbytes / 1e6:.1f} MB) vs {deq.stats.weight_bytes / 1e6:.1f} MB dequantised")
+        ids = bench.prompts(8, vocab)
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        a, b = kept.generate(ids, sp), deq.generate(ids, sp)
+        first = sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b))
+        d = max(abs(x.logprobs[0].logprob - y.logprobs[0].logprob) for x, y in zip(a, b))
+        print(f"{kind}: first tokens equal {first}/{len(ids)}, whole greedy runs "
+              f"{sum(x.token_ids == y.token_ids for x, y in zip(a, b))}/{len(ids)}, first-token logprob diff {d:.1e}")
+        verdict(first == len(ids) and d < (0.05 if cuda else 1e-4), f"{kind}: kept FP8 agrees with the dequantised weights")
+        row = []
+        for bsz in batches:
+            bench.ours(kept, bench.prompts(bsz, vocab), new_tokens)  # untimed first runs
+            bench.ours(deq, bench.prompts(bsz, vocab), new_tokens)
+            k = bench.ours(kept, bench.prompts(bsz, vocab), new_tokens)
+            q = bench.ours(deq, bench.prompts(bsz, vocab), new_tokens)
+            row.append(f"b{bsz}: kept {k:.0f} / dequantised {q:.0f} tok/s = {k / q:.2f}x")
+        print(f"{kind} ({dtype}): " + "; ".join(row), flush=True)
+        del kept, deq
 
 
 def _hf_rate(hf, ids, new, dev) -> float:
@@ -392,6 +440,8 @@ def main(argv=None) -> int:
         ("MoE families vs transformers (fp32), grouped kernel vs torch", lambda: moe_vs_hf(dev, root)),
         ("MoE-shaped models: ours vs transformers", lambda: moe_throughput(dev, root, [1, 8] if tiny else [1, 32, 128],
                                                                            4 if tiny else 32, tiny)),
+        ("block-FP8 checkpoints: kept vs dequantised", lambda: fp8_kept_vs_dequantised(
+            dev, root, [1, 8] if tiny else [1, 32, 128], 4 if tiny else 32, tiny)),
         ("batch invariance fp32", lambda: batch_invariance(dev, state["tiny"], "float32", 2 if tiny else 8)),
         ("batch invariance bf16", lambda: batch_invariance(dev, state["tiny"], "bfloat16", 2 if tiny else 8)),
         ("Qwen3-shaped: JSON schema + regex at batch 64", lambda: structured(dev, big(), 8 if tiny else 64, 16 if tiny else 64)),

@@ -83,6 +83,11 @@ class EngineConfig:
     # "auto": as the checkpoint stores them: bf16 where every routed expert tensor is bf16 (then
     # exactly the fp32 path's bits, since widening a bf16 value is exact), else fp32.
     moe_expert_dtype: str = "auto"
+    # a block-FP8 checkpoint (DeepSeek-V3's): "auto" keeps its projections FP8 where the FP8 kernel runs
+    # them (CUDA, bf16 / fp16 activations, TileLang: a byte per weight) and dequantises them at load
+    # elsewhere; "keep" keeps them FP8 everywhere (without the kernel each is dequantised per call:
+    # a quarter of fp32's bytes held, slower); "dequantize" always dequantises at load (fp8_linear.py)
+    fp8_weights: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
     cache_dir: str | None = None  # where converted models are cached
     # expert parallelism (deepinfer/distributed): N worker processes hold the weights, each only
@@ -119,6 +124,8 @@ class EngineConfig:
             raise bad(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
         if self.moe_expert_dtype not in ("auto", "float32", "bfloat16"):
             raise bad(f"moe_expert_dtype must be 'auto', 'float32' or 'bfloat16', got {self.moe_expert_dtype!r}")
+        if self.fp8_weights not in ("auto", "keep", "dequantize"):
+            raise bad(f"fp8_weights must be 'auto', 'keep' or 'dequantize', got {self.fp8_weights!r}")
         if self.kernels not in ("auto", "torch", "tilelang"):
             raise bad(f"kernels must be 'auto', 'torch' or 'tilelang', got {self.kernels!r}")
         if self.speculative not in (None, "ngram", "draft", "mtp"):

@@ -81,8 +81,11 @@ class Engine:
 
             tensor_filter = weight_filter(cfg)
         asked = precision.request(cfg, self.device)
+        from deepinfer.engine.fp8_linear import kept_projection
+
         loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=asked.quant_mode is not None,
-                            tensor_filter=tensor_filter, keep_16bit=asked.keep_16bit)
+                            tensor_filter=tensor_filter, keep_16bit=asked.keep_16bit,
+                            keep_fp8=kept_projection if asked.keep_fp8 else None)
         prec = precision.settle(asked, cfg, loaded)
         self.dtype = prec.dtype
         self.model_source = loaded.source
@@ -110,7 +113,8 @@ class Engine:
         self.stats = EngineStats()
         self.stats.weight_bytes, self.stats.checkpoint_bytes = self.runner.weight_bytes(), precision.checkpoint_bytes(self.model_source)
         # "float32", "quantized-int8", "quantized-exact", "quantized-bf16", "bfloat16-weights", "float16-weights",
-        # "bfloat16-dot" (dtype="bfloat16" on CPU with the native kernels) or "bfloat16" (torch's bf16 ops)
+        # "bfloat16-dot" (dtype="bfloat16" on CPU with the native kernels) or "bfloat16" (torch's bf16 ops);
+        # "+fp8-weights" after it where a block-FP8 checkpoint's projections are kept FP8 (fp8_linear.py)
         self.precision = self.runner.precision
         # what the KV cache holds ("float32", "bfloat16", ...: EngineConfig.kv_cache_dtype)
         self.kv_cache_dtype = str(getattr(self.runner, "kv_dtype", self.dtype)).removeprefix("torch.")

@@ -148,6 +148,76 @@ class TileLangExperts(nn.Module):
         return self._kernel(x, idx, self.gate_up, self.down)
 
 
+class Fp8TileLangExperts(nn.Module):
+    """One MoE block's block-FP8 experts (kept as stored: engine/fp8_linear.py) for `fp8_gemm.moe_experts`,
+    the grouped W8A16 kernel; callable (x, local ids) -> [T, k, H]. CUDA with bf16 / fp16 activations, or
+    the kernel's CPU twin at fp32 (kernels="tilelang")."""
+
+    def __init__(self, gate_up, down, dtype: torch.dtype):
+        super().__init__()
+        from deepinfer_kernels import fp8_gemm
+
+        self._kernel = fp8_gemm.moe_experts
+        self.gate_up, self.down = gate_up, down  # fp8_gemm.ExpertStack; the linear's entries are views of them
+        fp8_gemm.warmup_experts(gate_up, down, dtype)  # compile both GEMMs now, never on the step path
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, idx, self.gate_up, self.down)
+
+
+def _stack_fp8(block, table: dict):
+    """The block's FP8 experts stacked as fp8_gemm.ExpertStacks (gate_up, down), with the fp8 linear's
+    per-expert entries re-pointed at their slices (no second copy), or None when its experts are not
+    all kept as FP8 with one column block."""
+    from deepinfer.engine.loader.fp8_blocks import Fp8Weight
+    from deepinfer_kernels.fp8_gemm import ExpertStack
+
+    stacks = []
+    for params in (block.expert_gate_up, block.expert_down):
+        ws = [table.get(p.data_ptr()) for p in params]
+        if not ws or any(w is None for w in ws) or len({w.block_k for w in ws}) != 1:
+            return None
+        codes, scale = torch.stack([w.codes for w in ws]), torch.stack([w.scale for w in ws])
+        for i, p in enumerate(params):
+            table[p.data_ptr()] = Fp8Weight(codes[i], scale[i], ws[0].block_k)
+        stacks.append(ExpertStack(codes, scale, ws[0].block_k))
+    return tuple(stacks)
+
+
+def install_fp8_experts(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str = "auto") -> int:
+    """Install the grouped block-FP8 expert kernel in every MoeBlock whose experts the model kept as FP8
+    (`model.fp8_weights`); returns how many blocks use it (0: their experts run one at a time through the
+    fp8 linear). Runs where the FP8 kernel does (fp8_linear.kernel_runs: CUDA, bf16 / fp16, TileLang),
+    and on CPU fp32 with kernels="tilelang" (the CPU twin: tests). A failed compile keeps the per-expert
+    path with a warning under "auto" and raises under "tilelang"."""
+    from deepinfer.engine.fp8_linear import kernel_runs
+    from deepinfer.engine.models.moe import MoeBlock
+    from deepinfer_kernels import _tilelang
+
+    table = getattr(model, "fp8_weights", {})
+    cpu_twin = device.type == "cpu" and dtype == torch.float32 and kernels == "tilelang" and _tilelang.available()
+    if not table or not (kernel_runs(device, dtype, kernels) or cpu_twin):
+        return 0
+    n = 0
+    try:
+        for b in model.modules():
+            if isinstance(b, MoeBlock) and len(b.expert_gate_up):
+                stacks = _stack_fp8(b, table)
+                if stacks is not None:
+                    b.set_expert_kernel(Fp8TileLangExperts(*stacks, dtype))
+                    n += 1
+    except Exception as e:  # noqa: BLE001 - a compile failure means "keep the per-expert path"
+        if kernels == "tilelang":
+            raise
+        for b in model.modules():
+            if isinstance(b, MoeBlock):
+                b.set_expert_kernel(None)
+        warnings.warn(f"the TileLang grouped FP8 expert GEMM is unavailable ({type(e).__name__}: {e}); MoE experts "
+                      "run one at a time through the FP8 linear", RuntimeWarning, stacklevel=2)
+        return 0
+    return n
+
+
 def _stack_in_place(block) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack the block's expert weights and re-point each expert's parameter at its slice."""
     gu, down = block.stacked_expert_weights()

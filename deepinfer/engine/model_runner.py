@@ -99,9 +99,15 @@ class ModelRunner:
         expert_storage = expert_storage_dtype(config.moe_expert_dtype, weights)  # before loading converts them
         self.model.load_weights(weights, dtype, device)
         self.model.eval()
+        # block-FP8 weights kept as stored (fp8_linear.py): they run through the fp8 linear, the experts too
+        self.fp8_kept = bool(getattr(self.model, "fp8_weights", None))
         # MoE experts as one grouped GEMM per layer (expert_kernels.py); before the linear, which then skips them
         self.expert_kernel_blocks = 0
-        if not (quantized and quant_mode):
+        if self.fp8_kept:
+            from deepinfer.engine.expert_kernels import install_fp8_experts
+
+            self.expert_kernel_blocks = install_fp8_experts(self.model, device, dtype, config.kernels)
+        elif not (quantized and quant_mode):
             from deepinfer.engine.expert_kernels import install_expert_kernels
 
             self.expert_kernel_blocks = install_expert_kernels(
@@ -241,14 +247,18 @@ class ModelRunner:
         """The projection op: on a GGUF's block-quantised weights kept as stored where given
         (quant_linear.py, invariant by construction); GEMMs on weights packed at load on CPU fp32
         (native panels, else oneDNN: see cpu_linear.py); in the batch-invariant mode the same, once
-        verified invariant on this machine, else fixed tiles."""
-        import torch.nn.functional as F
-
-        from deepinfer.engine import batch_invariant as bi
+        verified invariant on this machine, else fixed tiles. Block-FP8 weights kept as stored: fp8_linear.py."""
         from deepinfer.engine.cpu_linear import CpuLinear, packed_gemm_available
 
         invariant = self.config.batch_invariant
         on_cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if self.fp8_kept:  # the kept FP8 weights through their kernel, the rest unpacked (fp8_linear.py)
+            from deepinfer.engine.fp8_linear import install_fp8
+
+            lin = install_fp8(self.model, self._plain_linear(invariant), self.device, self.dtype, self.config.kernels,
+                              invariant)
+            self.precision = f"{self.precision}+fp8-weights"
+            return lin
         if self.kept_16bit is not None:
             from deepinfer.engine.weights16 import install_16bit
 
@@ -284,6 +294,15 @@ class ModelRunner:
             if not invariant or lin.verify_invariance(weights + gated):
                 return self._release_packed(lin)
             del lin  # not invariant with this oneDNN build / thread count: fall through
+        return self._plain_linear(invariant)
+
+    @staticmethod
+    def _plain_linear(invariant: bool):
+        """F.linear on the weights as they are; in the batch-invariant mode fixed tiles (bi_matmul)."""
+        import torch.nn.functional as F
+
+        from deepinfer.engine import batch_invariant as bi
+
         if not invariant:
             return F.linear
 
@@ -345,10 +364,15 @@ class ModelRunner:
         for t in list(self.model.parameters()) + list(self.model.buffers()):
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
+        from deepinfer.engine.loader.fp8_blocks import Fp8Weight
+
         extra = 0
         for table in (getattr(self.linear, "table", {}), getattr(self.linear, "packed", {}),
                       getattr(self.linear, "packed_gated", {})):
             for v in table.values():
+                if isinstance(v, Fp8Weight):
+                    extra += v.nbytes
+                    continue
                 for t in (v if isinstance(v, tuple) else (v,)):
                     t = getattr(t, "panels", getattr(t, "data", t))
                     try:

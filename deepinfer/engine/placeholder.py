@@ -23,8 +23,16 @@ def is_placeholder(t: torch.Tensor) -> bool:
             and bool(torch.isnan(t.reshape(-1)[0])))
 
 
-def cat_rows(parts: list[torch.Tensor], name: str) -> torch.Tensor:
-    """torch.cat(parts) along rows; the placeholder of the result when every part is one."""
+def cat_rows(parts: list, name: str):
+    """torch.cat(parts) along rows; the placeholder of the result when every part is one, the FP8
+    concatenation when every part is a kept FP8 weight (loader/fp8_blocks.Fp8Weight)."""
+    from deepinfer.engine.loader.fp8_blocks import Fp8Weight
+
+    fp8 = [isinstance(p, Fp8Weight) for p in parts]
+    if all(fp8):
+        return Fp8Weight.cat_rows(parts, name)
+    if any(fp8):
+        raise ModelLoadError(f"{name}: some parts are kept as FP8 and some are not")
     marks = [is_placeholder(p) for p in parts]
     if all(marks):
         return placeholder((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))

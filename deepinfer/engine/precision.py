@@ -119,6 +119,7 @@ class Precision:
     quant_mode: str | None  # a GGUF's blocks kept as stored, in this kernel mode (quant_linear.py)
     keep_16bit: bool  # a bf16 / fp16 checkpoint's tensors kept as stored (weights16.py, expert panels)
     bf16_dot: bool  # projections as bf16 dot products with fp32 accumulation (dtype="bfloat16" on CPU)
+    keep_fp8: bool = False  # a block-FP8 checkpoint's projections kept as stored (fp8_linear.py)
 
 
 def request(cfg: EngineConfig, device: torch.device) -> Precision:
@@ -128,7 +129,25 @@ def request(cfg: EngineConfig, device: torch.device) -> Precision:
     dtype = compute_dtype(cfg.dtype, device)
     bf16_dot = cfg.dtype == "bfloat16" and device.type == "cpu" and dtype == torch.float32
     keep_16bit = (cfg.dtype == "auto" or bf16_dot) and device.type == "cpu" and cfg.expert_parallel_size == 1
-    return Precision(dtype, quant_mode(cfg.dtype, device), keep_16bit, bf16_dot)
+    return Precision(dtype, quant_mode(cfg.dtype, device), keep_16bit, bf16_dot, keep_fp8(cfg, device, dtype))
+
+
+def keep_fp8(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a block-FP8 checkpoint's projections stay FP8 (EngineConfig.fp8_weights): "keep" always;
+    "auto" where the FP8 kernel runs them (CUDA, bf16 / fp16 activations, TileLang: fp8_linear.py);
+    elsewhere they are dequantised at load. Not with expert parallelism (its workers dequantise)."""
+    if cfg.fp8_weights == "dequantize":
+        return False
+    if cfg.expert_parallel_size > 1:
+        if cfg.fp8_weights == "keep":
+            raise InvalidRequestError("fp8_weights='keep' is not supported with expert_parallel_size > 1 "
+                                      "(the workers dequantise FP8 checkpoints at load)")
+        return False
+    if cfg.fp8_weights == "keep":
+        return True
+    from deepinfer.engine.fp8_linear import kernel_runs
+
+    return kernel_runs(device, dtype, cfg.kernels)
 
 
 def settle(p: Precision, cfg: EngineConfig, loaded) -> Precision:

@@ -26,5 +26,6 @@ def test_gpu_engine_check_smoke_on_cpu():
     assert "sections raising: none" in out
     for line in ("greedy equal to transformers: 3/3", "json valid", "regex match", "device draws equal to CPU draws",
                  "graphs off overlap off: b1:", "graphs off overlap on : b1:", "cuda_graphs=True: skipped (needs CUDA)",
-                 "batch-1 decode:", "PASS: greedy outputs equal with graphs and overlap on/off"):
+                 "batch-1 decode:", "PASS: greedy outputs equal with graphs and overlap on/off",
+                 "PASS: v3: kept FP8 agrees with the dequantised weights"):
         assert line in out, line

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepinfer_kernels import _tilelang, grouped_gemm, noise, paged_attention, rmsnorm, sampling
+from deepinfer_kernels import _tilelang, fp8_gemm, grouped_gemm, noise, paged_attention, rmsnorm, sampling
 
 GPU_BUILDERS = {
     "masked_sample": sampling.build_gpu,
@@ -14,6 +14,9 @@ GPU_BUILDERS = {
     "attention_merge_f32": lambda: paged_attention.build_gpu_merge(9, 64, "float32"),
     "grouped_gemm_gated_bf16": lambda: grouped_gemm.build_gpu(96, 256, True, "bfloat16"),
     "grouped_gemm_f32": lambda: grouped_gemm.build_gpu(256, 96, False, "float32"),
+    "fp8_gemm_bf16": lambda: fp8_gemm.build_gpu(320, 300, 128, "bfloat16"),
+    "fp8_grouped_gated_bf16": lambda: fp8_gemm.build_grouped_gpu(96, 256, True, 128, "bfloat16"),
+    "fp8_grouped_f16": lambda: fp8_gemm.build_grouped_gpu(256, 96, False, 128, "float16"),
 }
 SLOW_BUILDERS = {
     "rmsnorm_bf16_4096": lambda: rmsnorm.build_gpu(4096, 1e-6, "bfloat16"),
@@ -31,6 +34,8 @@ def test_lowers_to_cuda_source(tilelang_available, name):
         assert "__fmul_rn" in src and "__fdiv_rn" in src
     if name.startswith("masked_sample"):  # x / T rounded as the torch path rounds it
         assert "__fdiv_rn" in src
+    if name.startswith("fp8_"):  # weights read as bytes, decoded through the table in shared memory
+        assert "const uchar* __restrict__ w" in src and "lut_s" in src
 
 
 @pytest.mark.slow

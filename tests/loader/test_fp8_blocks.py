@@ -1,38 +1,14 @@
-"""Block-FP8 checkpoints (weight + weight_scale_inv per 128 x 128 block) dequantised at load."""
+"""Block-FP8 checkpoints (weight + weight_scale_inv per 128 x 128 block): dequantised at load, or kept as
+stored (Fp8Weight, keep_checkpoint)."""
 
 from __future__ import annotations
-
-import json
-import shutil
 
 import pytest
 import torch
 
-from deepinfer.engine.loader.fp8_blocks import dequantize_block, dequantize_checkpoint
+from deepinfer.engine.loader.fp8_blocks import Fp8Weight, dequantize_block, dequantize_checkpoint, keep_checkpoint
 from deepinfer.errors import ModelLoadError
-
-
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference block quantisation: scale = amax / 448 per block, q = fp8(w / scale)."""
-    br, bc = block
-    R, C = -(-w.shape[0] // br), -(-w.shape[1] // bc)
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    scale = torch.empty(R, C)
-    for i in range(R):
-        for j in range(C):
-            blk = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc]
-            scale[i, j] = blk.abs().max().clamp(min=1e-12) / 448.0
-            q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (blk / scale[i, j]).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_loop(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    br, bc = block
-    out = torch.empty(q.shape)
-    for r in range(q.shape[0]):
-        for c in range(q.shape[1]):
-            out[r, c] = q[r, c].float() * scale[r // br, c // bc]
-    return out
+from fp8_factory import dequantize_loop, make_fp8_pair, quantize
 
 
 def test_dequantize_matches_per_element_reference_with_partial_blocks():
@@ -57,35 +33,62 @@ def test_bad_scale_shape_and_missing_scale_are_named():
 
 def test_fp8_deepseek_checkpoint_runs_like_its_dequantised_weights(tmp_path):
     pytest.importorskip("transformers")
-    from safetensors.torch import load_file, save_file
-
     from deepinfer import Engine, SamplingParams
     from moe_factory import make_moe_model
 
-    src = make_moe_model(tmp_path / "src", "deepseek_v3", seed=21)
-    block = (16, 16)  # small blocks so the tiny weights span several
-    w = load_file(str(src / "model.safetensors"))
-    fp8, ref = {}, {}
-    for name, t in w.items():
-        quantised = t.dim() == 2 and "proj" in name  # as DeepSeek ships: projections yes; embeddings, norms, router no
-        if quantised:
-            q, s = quantize(t, block)
-            fp8[name], fp8[name + "_scale_inv"] = q, s
-            ref[name] = dequantize_loop(q, s, block)
-        else:
-            fp8[name] = ref[name] = t
-    dirs = {}
-    for kind, tensors in (("fp8", fp8), ("ref", ref)):
-        d = tmp_path / kind
-        shutil.copytree(src, d)
-        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-        dirs[kind] = d
-    cfg = json.loads((dirs["fp8"] / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block), "fmt": "e4m3"}
-    (dirs["fp8"] / "config.json").write_text(json.dumps(cfg))
+    fp8_dir, ref_dir, _ = make_fp8_pair(make_moe_model(tmp_path / "src", "deepseek_v3", seed=21), tmp_path)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = ["The quick brown fox", "Hello world"]
-    a = Engine(str(dirs["fp8"]), kv_cache_memory=2 << 20).generate(prompts, sp)
-    b = Engine(str(dirs["ref"]), kv_cache_memory=2 << 20).generate(prompts, sp)
+    a = Engine(str(fp8_dir), kv_cache_memory=2 << 20).generate(prompts, sp)  # CPU "auto": dequantised at load
+    b = Engine(str(ref_dir), kv_cache_memory=2 << 20).generate(prompts, sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [[x.logprob for x in o.logprobs] for o in a] == [[x.logprob for x in o.logprobs] for o in b]
+
+
+def _fp8(rows, cols, block, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.linspace(0.1, 3, cols)
+    return quantize(w, block)
+
+
+def test_kept_weight_holds_the_load_time_values_with_rows_expanded():
+    block = (128, 64)
+    q, s = _fp8(300, 200, block, 1)
+    f = Fp8Weight.from_blocks(q, s, block, "w")
+    assert f.shape == (300, 200) and f.scale.shape == (300, 4) and f.block_k == 64 and f.dtype == torch.float8_e4m3fn
+    assert torch.equal(f.dequantize(), dequantize_block(q, s, block))  # the fp32 values, bit for bit
+    assert torch.equal(f.dequantize(torch.bfloat16), dequantize_block(q, s, block).to(torch.bfloat16))
+    assert f.nbytes == 300 * 200 + 300 * 4 * 4
+
+
+def test_kept_weights_concatenate_by_rows_across_partial_blocks():
+    block = (16, 16)
+    parts = [_fp8(rows, 40, block, seed) for seed, rows in enumerate((20, 7, 33))]  # row blocks cut mid-way
+    fused = Fp8Weight.cat_rows([Fp8Weight.from_blocks(q, s, block) for q, s in parts], "qkv")
+    want = torch.cat([dequantize_block(q, s, block) for q, s in parts], 0)
+    assert torch.equal(fused.dequantize(), want)
+    other = Fp8Weight.from_blocks(*_fp8(8, 40, (16, 8), 9), (16, 8))
+    with pytest.raises(ModelLoadError, match="qkv: its FP8 parts differ"):
+        Fp8Weight.cat_rows([Fp8Weight.from_blocks(*parts[0], block), other], "qkv")
+
+
+def test_keep_checkpoint_keeps_what_the_predicate_selects_and_dequantises_the_rest():
+    block = (16, 16)
+    (qa, sa), (qb, sb) = _fp8(40, 24, block, 3), _fp8(24, 40, block, 4)
+    e5 = torch.randn(16, 16).to(torch.float8_e5m2)
+    tensors = {"a.weight": qa, "a.weight_scale_inv": sa, "b.weight": qb, "b.weight_scale_inv": sb,
+               "e5.weight": e5, "e5.weight_scale_inv": torch.ones(1, 1), "norm.weight": torch.ones(24)}
+    out = keep_checkpoint(tensors, block, lambda n: n != "b.weight")
+    assert sorted(out) == ["a.weight", "b.weight", "e5.weight", "norm.weight"]  # scales consumed
+    assert isinstance(out["a.weight"], Fp8Weight) and torch.equal(out["a.weight"].codes.view(torch.uint8), qa.view(torch.uint8))
+    assert torch.equal(out["b.weight"], dequantize_block(qb, sb, block))  # not selected: fp32 as before
+    assert out["e5.weight"].dtype == torch.float32  # only e4m3 stays FP8 (the kernels decode e4m3)
+    assert torch.equal(out["norm.weight"], tensors["norm.weight"])
+
+
+def test_kept_weight_errors_name_the_tensor():
+    q, s = _fp8(40, 24, (16, 16), 5)
+    with pytest.raises(ModelLoadError, match=r"a.weight_scale_inv has shape \(3, 2\); .* needs \(2, 2\)"):
+        Fp8Weight.from_blocks(q, s, (32, 16), "a.weight")
+    with pytest.raises(ModelLoadError, match="only float8_e4m3fn"):
+        Fp8Weight.from_blocks(q.to(torch.float8_e5m2), s, (16, 16), "a.weight")

@@ -62,11 +62,13 @@ def _confined_shard(index: Path, shard: str) -> PurePosixPath:
     return p
 
 
-def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None, keep_16bit: bool = False
-                 ) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None, keep_16bit: bool = False,
+                 keep_fp8=None) -> dict[str, torch.Tensor]:
     """All tensors of the directory's safetensors checkpoint (those `keep(name)` keeps, when given;
     the rest named in `skipped`), converted to fp32; with `keep_16bit`, bf16 and fp16 tensors stay as
-    stored (the model's weight loading converts what it does not keep in 16 bits: weights16.py)."""
+    stored (the model's weight loading converts what it does not keep in 16 bits: weights16.py).
+    keep_fp8(name): a block-FP8 checkpoint's weights it selects stay FP8, as fp8_blocks.Fp8Weight
+    (the others are dequantised)."""
     single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
     if single.is_file():
         tensors = _load_safetensors(single, keep, skipped)
@@ -87,8 +89,12 @@ def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None, ke
         raise ModelLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} (only safetensors checkpoints load)")
     if any(n.endswith(fp8_blocks.SCALE_SUFFIX) for n in tensors):  # block-FP8 (DeepSeek): dequantise now
         cfg = read_json_object(model_dir / "config.json", "config.json")
-        tensors = fp8_blocks.dequantize_checkpoint(tensors, fp8_blocks.block_size_of(cfg))
+        block = fp8_blocks.block_size_of(cfg)
+        tensors = (fp8_blocks.keep_checkpoint(tensors, block, keep_fp8) if keep_fp8 is not None
+                   else fp8_blocks.dequantize_checkpoint(tensors, block))
     for name, t in tensors.items():
+        if isinstance(t, fp8_blocks.Fp8Weight):
+            continue
         if not t.is_floating_point():
             raise ModelLoadError(f"{model_dir}: tensor {name} has dtype {t.dtype}; quantised HF checkpoints are not supported")
         if t.dtype != torch.float32 and not (keep_16bit and t.dtype in (torch.bfloat16, torch.float16)):
@@ -96,12 +102,13 @@ def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None, ke
     return tensors
 
 
-def load_hf_dir(model_dir: Path, tensor_filter=None, skipped: set[str] | None = None, keep_16bit: bool = False
-                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_hf_dir(model_dir: Path, tensor_filter=None, skipped: set[str] | None = None, keep_16bit: bool = False,
+                keep_fp8=None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """(config, fp32 weights, tokenizer) of an HF model directory; weights are not yet checked.
     tensor_filter(config) -> keep(name): read only the tensors it keeps (the rest go to `skipped`).
-    keep_16bit: bf16 / fp16 tensors stay as stored (see read_weights)."""
+    keep_16bit: bf16 / fp16 tensors stay as stored; keep_fp8(name): FP8 weights it selects stay FP8
+    (see read_weights)."""
     config = read_config(model_dir)
-    weights = read_weights(model_dir, tensor_filter(config) if tensor_filter else None, skipped, keep_16bit)
+    weights = read_weights(model_dir, tensor_filter(config) if tensor_filter else None, skipped, keep_16bit, keep_fp8)
     tokenizer = Tokenizer.from_dir(model_dir)
     return config, weights, tokenizer

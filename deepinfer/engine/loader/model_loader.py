@@ -26,7 +26,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: config, fp32 weights under HF names, tokenizer, and where it came from."""
+    """A model ready to run: config, weights under HF names (fp32; bf16 / fp16 as stored with keep_16bit;
+    fp8_blocks.Fp8Weight for what keep_fp8 kept), tokenizer, and where it came from."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
@@ -53,7 +54,7 @@ def default_model_path() -> Path:
 
 def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
                use_cache: bool = True, keep_quantized: bool = False, tensor_filter=None,
-               keep_16bit: bool = False) -> LoadedModel:
+               keep_16bit: bool = False, keep_fp8=None) -> LoadedModel:
     """Load `model`: None (the default model), an HF model directory, or a `.gguf` file.
 
     GGUF files are converted once and cached as fp32 safetensors under `cache_dir` (default
@@ -61,6 +62,8 @@ def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.Pa
     `keep_quantized`: also return a GGUF's block-quantised tensors as stored (`LoadedModel.quantized`).
     `keep_16bit`: a model directory's bf16 / fp16 tensors stay as stored (not converted to fp32), for
     the runner to keep its projections in 16 bits (weights16.py) or convert them as it loads.
+    `keep_fp8(name)`: a block-FP8 model directory's weights it selects stay FP8 (fp8_blocks.Fp8Weight,
+    for engine/fp8_linear.py); the others are dequantised at load, as without it.
     `tensor_filter(config) -> keep(name)`: read only the tensors keep() keeps from a model directory
     (an expert-parallel rank: its own experts); the others must exist and are not checked here.
     Raises ModelLoadError (UnsupportedArchitectureError for unknown architectures) naming the problem.
@@ -69,7 +72,7 @@ def load_model(model: str | os.PathLike | None = None, *, cache_dir: str | os.Pa
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir():
-        return _from_dir(path, source=str(path), tensor_filter=tensor_filter, keep_16bit=keep_16bit)
+        return _from_dir(path, source=str(path), tensor_filter=tensor_filter, keep_16bit=keep_16bit, keep_fp8=keep_fp8)
     if path.suffix.lower() == ".gguf":
         return _from_gguf_quantized(path) if keep_quantized else _from_gguf(path, cache_dir, use_cache)
     raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
@@ -94,9 +97,9 @@ def _finish(config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: To
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=source)
 
 
-def _from_dir(path: Path, source: str, tensor_filter=None, keep_16bit: bool = False) -> LoadedModel:
+def _from_dir(path: Path, source: str, tensor_filter=None, keep_16bit: bool = False, keep_fp8=None) -> LoadedModel:
     skipped: set[str] = set()
-    config, weights, tokenizer = hf_dir.load_hf_dir(path, tensor_filter, skipped, keep_16bit)
+    config, weights, tokenizer = hf_dir.load_hf_dir(path, tensor_filter, skipped, keep_16bit, keep_fp8)
     return _finish(config, weights, tokenizer, source, skipped)
 
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from deepinfer.engine.attention import ForwardContext, paged_attention
 from deepinfer.engine.model_config import ModelConfig
-from deepinfer.engine.placeholder import cat_rows, is_placeholder
+from deepinfer.engine.loader.fp8_blocks import Fp8Weight
+from deepinfer.engine.placeholder import cat_rows, is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
 
 
@@ -244,6 +245,9 @@ class DecoderForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         )
         self.embed_impl = None  # fn(input_ids) -> [T, hidden] replacing F.embedding (quantised embeddings)
+        # weights kept as FP8 (loader/fp8_blocks.Fp8Weight) by their placeholder's address, for the
+        # runner's fp8 linear (engine/fp8_linear.py); filled as weights load
+        self.fp8_weights: dict[int, Fp8Weight] = {}
 
     def make_layer(self, cfg: ModelConfig, i: int) -> DecoderLayer:
         """Layer i; architectures with other attention / MLP blocks override this."""
@@ -341,10 +345,11 @@ class DecoderForCausalLM(nn.Module):
             )
         self.rotary.to(device)
 
-    @staticmethod
-    def weight_loaders(weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def weight_loaders(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
         """(take(name), put(param, value, name, dtype=...)): fetch a checkpoint tensor / copy it into a
-        parameter, each raising ModelLoadError naming the tensor."""
+        parameter, each raising ModelLoadError naming the tensor. A value kept as FP8
+        (loader/fp8_blocks.Fp8Weight) moves to the device as it is, into `fp8_weights` under the address
+        of the placeholder (placeholder.py) the parameter gets instead."""
 
         def take(name: str) -> torch.Tensor:
             t = weights.get(name)
@@ -357,6 +362,11 @@ class DecoderForCausalLM(nn.Module):
                 raise ModelLoadError(
                     f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}"
                 )
+            if isinstance(value, Fp8Weight):
+                ph = placeholder(value.shape)
+                self.fp8_weights[ph.data_ptr()] = value.to(device)
+                param.data = ph
+                return
             # a placeholder (engine/placeholder.py) stays one: its blocks replace it after loading
             param.data = value if is_placeholder(value) else value.to(device=device, dtype=dtype).contiguous()
 

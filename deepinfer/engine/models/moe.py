@@ -36,6 +36,7 @@ from torch import nn
 
 from deepinfer.engine.attention import ForwardContext
 from deepinfer.engine.moe_config import MoeConfig, MoeConfigError
+from deepinfer.engine.placeholder import cat_rows
 from deepinfer_kernels import moe_route
 
 
@@ -299,7 +300,7 @@ class MoeBlock(nn.Module):
             put(self.score_bias, take(n), n, dtype=torch.float32)
         for i, e in enumerate(self.local_experts):
             p = f"{prefix}experts.{e}."
-            gu = torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")], 0)
+            gu = cat_rows([take(p + "gate_proj.weight"), take(p + "up_proj.weight")], p + "gate_up_proj.weight")
             put(self.expert_gate_up[i], gu, p + "gate_up_proj.weight")
             put(self.expert_down[i], take(p + "down_proj.weight"), p + "down_proj.weight")
         if self.shared is not None:

@@ -1,0 +1,111 @@
+"""The projection op on block-FP8 weights kept as a checkpoint stores them (DeepSeek-V3's
+`quantization_config: {quant_method: fp8}`; EngineConfig.fp8_weights).
+
+The loader keeps the e4m3 weights `kept_projection` selects as loader/fp8_blocks.Fp8Weight (codes as
+stored plus fp32 scales, one per row and 128-column block); the model's weight loading moves each to
+the device into `model.fp8_weights`, keyed by the address of the placeholder (placeholder.py) its
+parameter holds instead, and `Fp8Linear` finds it by that address, like CpuLinear and QuantLinear
+find their packed copies. Every other weight goes through the runner's linear as before.
+
+What is kept: the projections that run through the linear (attention's q / k / v / o and DeepSeek's
+q_a / q_b / kv_a, every gate / up / down of the dense MLPs, the shared and the routed experts, the MTP
+layers' eh_proj). Latent attention's kv_b is dequantised at load: it is split per head into the
+absorbed up-projections, which run as batched GEMMs (models/mla.py). Embeddings, norms and routers are
+not FP8 in DeepSeek's checkpoints.
+
+A kept weight's product is the kernels/fp8_gemm.py definition: every weight value codes * scale in
+fp32, rounded to the activations' dtype, then the GEMM with fp32 accumulation. The rounded weights are
+the ones the load-time dequantisation gives, so only the GEMM's summation order differs from running
+the dequantised checkpoint. It runs:
+- on CUDA with bf16 / fp16 activations and TileLang: the W8A16 TileLang kernel (weights decoded in
+  shared memory; HBM reads a byte per weight instead of bf16's two);
+- elsewhere (fp32 activations, no TileLang, kernels="torch", the batch-invariant mode): the weight
+  dequantised for the call, then the runner's own linear (F.linear, or the invariant tiled GEMM) on it.
+  That trades time for the kept bytes; it is what Engine(fp8_weights="keep") runs on CPU.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+from deepinfer.engine.loader.fp8_blocks import Fp8Weight
+from deepinfer.engine.placeholder import is_placeholder
+from deepinfer.errors import ModelLoadError
+
+# checkpoint names of the FP8 weights kept as FP8 (the module docstring says which and why)
+_KEPT = re.compile(r"\.(q|k|v|o|q_a|q_b|gate|up|down|eh)_proj\.weight$|\.kv_a_proj_with_mqa\.weight$")
+
+
+def kept_projection(name: str) -> bool:
+    """Whether the checkpoint tensor `name`, when block-FP8, stays FP8 (the loader's keep_fp8 predicate)."""
+    return _KEPT.search(name) is not None
+
+
+def kernel_runs(device: torch.device, dtype: torch.dtype, kernels: str) -> bool:
+    """Whether the TileLang FP8 kernel serves this device and activation dtype: CUDA, bf16 / fp16 (its
+    T.gemm on fp32 operands would be TF32), TileLang importable, kernels not "torch"."""
+    from deepinfer_kernels import _tilelang
+
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and kernels != "torch"
+            and _tilelang.available())
+
+
+class Fp8Linear:
+    """linear(x, w, b) for the runner: kept FP8 weights (found by their placeholder's address) through the
+    FP8 GEMM, any other weight through `base`, the linear the runner chose for the rest."""
+
+    def __init__(self, table: dict[int, Fp8Weight], base, use_kernel: bool):
+        self.table = table
+        self.base = base
+        self.use_kernel = use_kernel
+        self.silu_mul = None  # gated MLPs run linear, then silu * mul
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.table.values())
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        f = self.table.get(w.data_ptr())
+        if f is None:
+            return self.base(x, w, b)
+        if self.use_kernel:
+            from deepinfer_kernels import fp8_gemm
+
+            y = fp8_gemm.fp8_gemm_tilelang(x.reshape(-1, x.shape[-1]), f.codes, f.scale, f.block_k)
+            y = y.view(*x.shape[:-1], y.shape[-1])
+            return y + b if b is not None else y
+        return self.base(x, f.dequantize(x.dtype), b)
+
+
+def install_fp8(model, base, device: torch.device, dtype: torch.dtype, kernels: str, invariant: bool) -> Fp8Linear | None:
+    """The fp8 linear over `model.fp8_weights` and `base`, or None when the model kept none. Checks that
+    every placeholder the model holds is a kept weight (one left over would compute NaN) and, on the
+    kernel path, compiles the kernel for every kept shape now (never on the per-step path)."""
+    table = getattr(model, "fp8_weights", {})
+    if not table:
+        return None
+    left = [tuple(p.shape) for p in model.parameters() if is_placeholder(p.data) and p.data.data_ptr() not in table]
+    if left:
+        raise ModelLoadError(f"weights of shapes {left[:3]} are placeholders with no FP8 weight behind them")
+    use_kernel = not invariant and kernel_runs(device, dtype, kernels)
+    if kernels == "tilelang" and not use_kernel and device.type == "cpu" and dtype == torch.float32 and not invariant:
+        use_kernel = True  # the kernel's CPU twin, asked for by name (tests; slow)
+    if use_kernel:
+        from deepinfer_kernels import _tilelang, fp8_gemm
+
+        try:
+            for f in {(w.shape, w.block_k): w for w in table.values()}.values():
+                fp8_gemm.fp8_gemm_tilelang(torch.zeros(1, f.shape[1], dtype=dtype, device=device), f.codes, f.scale, f.block_k)
+        except Exception as e:  # noqa: BLE001 - a compile failure means "dequantise per call"
+            if kernels == "tilelang":
+                raise
+            _tilelang.warn_fallback("fp8_gemm", e)
+            use_kernel = False
+    if kernels == "tilelang" and not use_kernel:
+        warnings.warn("kernels='tilelang': the FP8 kernel runs on CUDA with bfloat16 / float16 activations (or "
+                      "the CPU twin at float32) outside the batch-invariant mode; FP8 weights are dequantised "
+                      "per call here", RuntimeWarning, stacklevel=2)
+    return Fp8Linear(table, base, use_kernel)

@@ -1,0 +1,410 @@
+"""Weight-only block-FP8 GEMM (W8A16): y = x @ dequant(w).T, the weights kept as a checkpoint stores them.
+
+  x       [M, K]       activations (bf16 / fp16 on the GPU kernel, fp32 on its CPU twin)
+  w       [N, K]       float8_e4m3fn codes, passed as their uint8 bytes
+  scale   [N, KB]      fp32, one scale per output row and column block of `block_k` inputs
+                       (KB = ceil(K / block_k)): DeepSeek's 128 x 128 block scales with the rows
+                       expanded, so projections fused by row concatenation (q|k|v, gate|up) need no
+                       block alignment
+  lut     [256]        fp32 value of every e4m3 code (`e4m3_table()`: torch's own decoding)
+  y       [M, N]       x's dtype
+
+The weight an output reads is lut[w[n, k]] * scale[n, k // block_k], rounded to x's dtype: the same
+value the load-time dequantisation (loader/fp8_blocks.py, then the cast to the engine's dtype) gives,
+so only the GEMM's summation order differs from running the dequantised checkpoint.
+
+Implementations: the torch reference (dequantise, then one matmul), a GPU-style TileLang kernel (grid
+(N tiles, M tiles); the table in shared memory, each BLOCK_N x BLOCK_K weight slice decoded into shared
+memory in x's dtype and multiplied by T.gemm into an fp32 accumulator) and its CPU twin (target "c",
+fp32: per (row tile, column) a serial dot product over k). A row's result never depends on the other
+rows (no split over k), so the kernels are batch-invariant. Decoding through the table (not the
+hardware's fp8 conversion) keeps one exact definition on every GPU generation and on the CPU.
+"""
+
+# No "from __future__ import annotations": TileLang evaluates the kernel signatures at build time.
+
+import torch
+import torch.nn.functional as F
+
+from . import _checks, _tilelang
+from .errors import KernelInputError
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+CPU_BLOCK_M = 16
+_GPU_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_LUTS: dict[str, torch.Tensor] = {}
+
+
+def e4m3_table(device="cpu") -> torch.Tensor:
+    """[256] fp32: the value of each float8_e4m3fn code (NaN for the two NaN codes)."""
+    key = str(torch.device(device))
+    t = _LUTS.get(key)
+    if t is None:
+        t = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+        _LUTS[key] = t
+    return t
+
+
+def check_args(x, w, scale, block_k: int) -> None:
+    """Validate shapes, dtypes and devices; raises KernelInputError naming the problem."""
+    _checks.tensor("x", x, 2, (torch.float32, torch.float16, torch.bfloat16))
+    _checks.tensor("w", w, 2, (torch.uint8, torch.float8_e4m3fn))
+    _checks.tensor("scale", scale, 2, (torch.float32,))
+    _checks.same_device(x=x, w=w, scale=scale)
+    _checks.dim("w", w, 1, x.shape[1], "K of x")
+    if not isinstance(block_k, int) or block_k < 1:
+        raise KernelInputError(f"block_k must be a positive int, got {block_k!r}")
+    _checks.dim("scale", scale, 0, w.shape[0], "N of w")
+    _checks.dim("scale", scale, 1, -(-w.shape[1] // block_k), f"ceil(K / block_k={block_k})")
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, block_k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] in `dtype`: every code's value times its row's scale for its column block (in fp32, then
+    rounded once to dtype)."""
+    codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
+    s = scale.repeat_interleave(block_k, 1)[:, : w.shape[1]]
+    return (codes.float() * s).to(dtype)
+
+
+def fp8_gemm_reference(x, w, scale, block_k: int = 128):
+    """The torch definition: dequantise to x's dtype, then F.linear (fp32 accumulation on the GPU)."""
+    check_args(x, w, scale, block_k)
+    return F.linear(x, dequantize(w, scale, block_k, x.dtype))
+
+
+def build_cpu(n: int, k: int, block_k: int, block_m: int = CPU_BLOCK_M):
+    """CPU twin (target "c", float32): per (row tile, output column), each row's dot product over k in
+    order, serially, reading every weight through the table and its scale."""
+    import tilelang.cpu.language as T  # noqa: PLC0415 - optional dependency
+
+    M = T.dynamic("M")
+    N, K, BM, BK = n, k, block_m, block_k
+    KB = -(-k // block_k)
+
+    @T.prim_func
+    def fp8_gemm_cpu(
+        x: T.Tensor((M, K), "float32"),
+        w: T.Tensor((N, K), "uint8"),
+        scale: T.Tensor((N, KB), "float32"),
+        lut: T.Tensor((256,), "float32"),
+        y: T.Tensor((M, N), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(M, BM), N) as (t, j):
+            acc = T.alloc_local((1,), "float32")
+            for i in T.serial(BM):
+                if t * BM + i < M:
+                    acc[0] = T.float32(0)
+                    for kk in T.serial(K):
+                        acc[0] = acc[0] + x[t * BM + i, kk] * (lut[T.cast(w[j, kk], "int32")] * scale[j, kk // BK])
+                    y[t * BM + i, j] = acc[0]
+
+    return fp8_gemm_cpu
+
+
+def build_gpu(n: int, k: int, block_k: int, dtype: str = "bfloat16", block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+              tile_k: int = BLOCK_K):
+    """GPU kernel: grid (column tiles, row tiles), 128 threads; the code table copied to shared memory
+    once per block; per k slice the activations staged as they are and the weights decoded (table value
+    times scale, rounded to dtype) into shared memory, T.gemm into an fp32 accumulator; rows past M and
+    columns past N zero-filled on load and not stored."""
+    import tilelang.language as T  # noqa: PLC0415 - optional dependency
+
+    M = T.dynamic("M")
+    N, K, BM, BN, TK, SB = n, k, block_m, block_n, tile_k, block_k
+    KB = -(-k // block_k)
+
+    @T.prim_func
+    def fp8_gemm_gpu(
+        x: T.Tensor((M, K), dtype),
+        w: T.Tensor((N, K), "uint8"),
+        scale: T.Tensor((N, KB), "float32"),
+        lut: T.Tensor((256,), "float32"),
+        y: T.Tensor((M, N), dtype),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=128) as (bn, bm):
+            lut_s = T.alloc_shared((256,), "float32")
+            a_s = T.alloc_shared((BM, TK), dtype)
+            b_s = T.alloc_shared((BN, TK), dtype)
+            acc = T.alloc_fragment((BM, BN), "float32")
+            for c in T.Parallel(256):
+                lut_s[c] = lut[c]
+            T.clear(acc)
+            for ko in T.Pipelined(T.ceildiv(K, TK), num_stages=2):
+                for i, kk in T.Parallel(BM, TK):
+                    a_s[i, kk] = T.if_then_else((bm * BM + i < M) and (ko * TK + kk < K),
+                                                x[T.min(bm * BM + i, M - 1), T.min(ko * TK + kk, K - 1)],
+                                                T.cast(0, dtype))
+                for j, kk in T.Parallel(BN, TK):
+                    a_n = T.min(bn * BN + j, N - 1)
+                    a_k = T.min(ko * TK + kk, K - 1)
+                    b_s[j, kk] = T.if_then_else((bn * BN + j < N) and (ko * TK + kk < K),
+                                                T.cast(lut_s[T.cast(w[a_n, a_k], "int32")] * scale[a_n, a_k // SB], dtype),
+                                                T.cast(0, dtype))
+                T.gemm(a_s, b_s, acc, transpose_B=True)
+            for i, j in T.Parallel(BM, BN):
+                if (bm * BM + i < M) and (bn * BN + j < N):
+                    y[bm * BM + i, bn * BN + j] = T.cast(acc[i, j], dtype)
+
+    return fp8_gemm_gpu
+
+
+def fp8_gemm_tilelang(x, w, scale, block_k: int = 128):
+    """Run the TileLang kernel for the tensors' device (bf16 / fp16 on CUDA, fp32 on the CPU twin);
+    returns y [M, N]. Compiles once per (device kind, N, K, block_k, dtype); M is dynamic."""
+    check_args(x, w, scale, block_k)
+    n, k = w.shape
+    codes = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+    if x.is_cuda:
+        tdt = _GPU_DTYPES.get(x.dtype)
+        if tdt is None:  # T.gemm on fp32 operands runs TF32 on the tensor cores: not an fp32 result
+            raise KernelInputError(f"the CUDA fp8_gemm takes bfloat16 or float16 activations, got {x.dtype}")
+        kern = _tilelang.compile_cached(("fp8_gemm", "cuda", n, k, block_k, tdt),
+                                        lambda: build_gpu(n, k, block_k, tdt), "cuda")
+    else:
+        if x.dtype != torch.float32:
+            raise KernelInputError(f"the CPU TileLang fp8_gemm supports float32 only, got {x.dtype}")
+        kern = _tilelang.compile_cached(("fp8_gemm", "c", n, k, block_k), lambda: build_cpu(n, k, block_k), "c")
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        kern(x.contiguous(), codes.contiguous(), scale.contiguous(), e4m3_table(x.device), y)
+    return y
+
+
+# ---- grouped: the routed experts of an MoE block, each expert's weights block-FP8 ----------------------
+# x [R, K] rows sorted by expert, w [E, N', K] codes (N' = N, or 2N gated: [gate; up]), scale [E, N', KB],
+# and grouped_gemm's tile table (make_tiles): y[r] = x[r] @ dequant(w[e]).T, or silu(gate) * up when gated.
+
+
+def check_grouped_args(x, w, scale, block_k: int, tile_start, tile_end, tile_expert, gated: bool) -> None:
+    _checks.tensor("x", x, 2, (torch.float32, torch.float16, torch.bfloat16))
+    _checks.tensor("w", w, 3, (torch.uint8, torch.float8_e4m3fn))
+    _checks.tensor("scale", scale, 3, (torch.float32,))
+    for name, t in (("tile_start", tile_start), ("tile_end", tile_end), ("tile_expert", tile_expert)):
+        _checks.tensor(name, t, 1, (torch.int32,))
+        _checks.dim(name, t, 0, tile_start.shape[0], "number of tiles")
+    _checks.same_device(x=x, w=w, scale=scale, tile_start=tile_start, tile_end=tile_end, tile_expert=tile_expert)
+    _checks.dim("w", w, 2, x.shape[1], "K of x")
+    if not isinstance(block_k, int) or block_k < 1:
+        raise KernelInputError(f"block_k must be a positive int, got {block_k!r}")
+    if tuple(scale.shape) != (w.shape[0], w.shape[1], -(-w.shape[2] // block_k)):
+        raise KernelInputError(f"scale must have shape {(w.shape[0], w.shape[1], -(-w.shape[2] // block_k))} "
+                               f"(E, N', ceil(K / block_k={block_k})), got {tuple(scale.shape)}")
+    if gated and w.shape[1] % 2:
+        raise KernelInputError(f"a gated grouped GEMM needs w [E, 2N, K], got {tuple(w.shape)}")
+
+
+def grouped_reference(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated: bool = False):
+    """The torch definition, tile by tile: each expert's weights dequantised to x's dtype, then the GEMM."""
+    from .grouped_gemm import grouped_gemm_reference
+
+    check_grouped_args(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated)
+    deq = torch.stack([dequantize(w[e], scale[e], block_k, x.dtype) for e in range(w.shape[0])]) if w.shape[0] else \
+        torch.empty(0, *w.shape[1:], dtype=x.dtype, device=x.device)
+    return grouped_gemm_reference(x, deq, tile_start, tile_end, tile_expert, gated)
+
+
+def build_grouped_cpu(n: int, k: int, gated: bool, block_k: int, block_m: int = 64):
+    """CPU twin of the grouped kernel (target "c", float32): per (row tile, output column), each row's
+    dot products over k in order, serially, every weight through the table and its scale."""
+    import tilelang.cpu.language as T  # noqa: PLC0415 - optional dependency
+
+    R, E, NT = T.dynamic("R"), T.dynamic("E"), T.dynamic("NT")
+    N, K, BM, BK = n, k, block_m, block_k
+    WN, KB = (2 * n if gated else n), -(-k // block_k)
+
+    @T.prim_func
+    def grouped_fp8_cpu(
+        x: T.Tensor((R, K), "float32"),
+        w: T.Tensor((E, WN, K), "uint8"),
+        scale: T.Tensor((E, WN, KB), "float32"),
+        lut: T.Tensor((256,), "float32"),
+        tile_start: T.Tensor((NT,), "int32"),
+        tile_end: T.Tensor((NT,), "int32"),
+        tile_expert: T.Tensor((NT,), "int32"),
+        y: T.Tensor((R, N), "float32"),
+    ):
+        with T.Kernel(NT, N) as (t, j):
+            acc = T.alloc_local((2,), "float32")
+            for i in T.serial(BM):
+                if tile_start[t] + i < tile_end[t]:
+                    acc[0] = T.float32(0)
+                    acc[1] = T.float32(0)
+                    ex = tile_expert[t]
+                    for kk in T.serial(K):
+                        acc[0] = acc[0] + x[tile_start[t] + i, kk] * (
+                            lut[T.cast(w[ex, j, kk], "int32")] * scale[ex, j, kk // BK])
+                        if gated:
+                            acc[1] = acc[1] + x[tile_start[t] + i, kk] * (
+                                lut[T.cast(w[ex, N + j, kk], "int32")] * scale[ex, N + j, kk // BK])
+                    if gated:
+                        y[tile_start[t] + i, j] = acc[0] / (T.float32(1) + T.exp(-acc[0])) * acc[1]
+                    else:
+                        y[tile_start[t] + i, j] = acc[0]
+
+    return grouped_fp8_cpu
+
+
+def build_grouped_gpu(n: int, k: int, gated: bool, block_k: int, dtype: str = "bfloat16", block_m: int = BLOCK_M,
+                      block_n: int = BLOCK_N, tile_k: int = BLOCK_K):
+    """GPU kernel: grouped_gemm.build_gpu's tiling (grid (column tiles, row tiles), tiles never straddle
+    two experts), with each expert's weight slice decoded into shared memory as `build_gpu` does."""
+    import tilelang.language as T  # noqa: PLC0415 - optional dependency
+
+    R, E, NT = T.dynamic("R"), T.dynamic("E"), T.dynamic("NT")
+    N, K, BM, BN, TK, SB = n, k, block_m, block_n, tile_k, block_k
+    WN, KB = (2 * n if gated else n), -(-k // block_k)
+
+    @T.macro
+    def load_b(b_s, w, scale, lut_s, ex, row0, bn, ko):  # expert ex's rows row0 + (tile bn's columns), k slice ko
+        for j, kk in T.Parallel(BN, TK):
+            r = row0 + T.min(bn * BN + j, N - 1)
+            c = T.min(ko * TK + kk, K - 1)
+            b_s[j, kk] = T.if_then_else((bn * BN + j < N) and (ko * TK + kk < K),
+                                        T.cast(lut_s[T.cast(w[ex, r, c], "int32")] * scale[ex, r, c // SB], dtype),
+                                        T.cast(0, dtype))
+
+    @T.macro
+    def load_a(a_s, x, s, e, ko):
+        for i, kk in T.Parallel(BM, TK):
+            a_s[i, kk] = T.if_then_else((s + i < e) and (ko * TK + kk < K),
+                                        x[T.min(s + i, R - 1), T.min(ko * TK + kk, K - 1)], T.cast(0, dtype))
+
+    @T.prim_func
+    def grouped_fp8_gpu(
+        x: T.Tensor((R, K), dtype),
+        w: T.Tensor((E, WN, K), "uint8"),
+        scale: T.Tensor((E, WN, KB), "float32"),
+        lut: T.Tensor((256,), "float32"),
+        tile_start: T.Tensor((NT,), "int32"),
+        tile_end: T.Tensor((NT,), "int32"),
+        tile_expert: T.Tensor((NT,), "int32"),
+        y: T.Tensor((R, N), dtype),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), NT, threads=128) as (bn, t):
+            lut_s = T.alloc_shared((256,), "float32")
+            a_s = T.alloc_shared((BM, TK), dtype)
+            b_s = T.alloc_shared((BN, TK), dtype)
+            acc = T.alloc_fragment((BM, BN), "float32")
+            for c in T.Parallel(256):
+                lut_s[c] = lut[c]
+            s = tile_start[t]
+            e = tile_end[t]
+            ex = tile_expert[t]
+            T.clear(acc)
+            if s < e:
+                for ko in T.Pipelined(T.ceildiv(K, TK), num_stages=2):
+                    load_a(a_s, x, s, e, ko)
+                    load_b(b_s, w, scale, lut_s, ex, 0, bn, ko)
+                    T.gemm(a_s, b_s, acc, transpose_B=True)
+                for i, j in T.Parallel(BM, BN):
+                    if (s + i < e) and (bn * BN + j < N):
+                        y[s + i, bn * BN + j] = T.cast(acc[i, j], dtype)
+
+    @T.prim_func
+    def grouped_fp8_gated_gpu(
+        x: T.Tensor((R, K), dtype),
+        w: T.Tensor((E, WN, K), "uint8"),
+        scale: T.Tensor((E, WN, KB), "float32"),
+        lut: T.Tensor((256,), "float32"),
+        tile_start: T.Tensor((NT,), "int32"),
+        tile_end: T.Tensor((NT,), "int32"),
+        tile_expert: T.Tensor((NT,), "int32"),
+        y: T.Tensor((R, N), dtype),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), NT, threads=128) as (bn, t):
+            lut_s = T.alloc_shared((256,), "float32")
+            a_s = T.alloc_shared((BM, TK), dtype)
+            g_s = T.alloc_shared((BN, TK), dtype)
+            u_s = T.alloc_shared((BN, TK), dtype)
+            acc_g = T.alloc_fragment((BM, BN), "float32")
+            acc_u = T.alloc_fragment((BM, BN), "float32")
+            for c in T.Parallel(256):
+                lut_s[c] = lut[c]
+            s = tile_start[t]
+            e = tile_end[t]
+            ex = tile_expert[t]
+            T.clear(acc_g)
+            T.clear(acc_u)
+            if s < e:
+                for ko in T.Pipelined(T.ceildiv(K, TK), num_stages=2):
+                    load_a(a_s, x, s, e, ko)
+                    load_b(g_s, w, scale, lut_s, ex, 0, bn, ko)
+                    load_b(u_s, w, scale, lut_s, ex, N, bn, ko)
+                    T.gemm(a_s, g_s, acc_g, transpose_B=True)
+                    T.gemm(a_s, u_s, acc_u, transpose_B=True)
+                for i, j in T.Parallel(BM, BN):
+                    if (s + i < e) and (bn * BN + j < N):
+                        y[s + i, bn * BN + j] = T.cast(
+                            acc_g[i, j] / (T.float32(1) + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
+
+    return grouped_fp8_gated_gpu if gated else grouped_fp8_gpu
+
+
+def grouped_tilelang(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated: bool = False):
+    """Run the grouped TileLang kernel for the tensors' device (bf16 / fp16 on CUDA, fp32 on the CPU
+    twin); returns y [R, N]. Compiles once per (device kind, N, K, gated, block_k, dtype)."""
+    check_grouped_args(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated)
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = x.shape[1]
+    codes = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+    if x.is_cuda:
+        tdt = _GPU_DTYPES.get(x.dtype)
+        if tdt is None:
+            raise KernelInputError(f"the CUDA grouped fp8 GEMM takes bfloat16 or float16 activations, got {x.dtype}")
+        kern = _tilelang.compile_cached(("grouped_fp8", "cuda", n, k, gated, block_k, tdt),
+                                        lambda: build_grouped_gpu(n, k, gated, block_k, tdt), "cuda")
+    else:
+        if x.dtype != torch.float32:
+            raise KernelInputError(f"the CPU TileLang grouped fp8 GEMM supports float32 only, got {x.dtype}")
+        kern = _tilelang.compile_cached(("grouped_fp8", "c", n, k, gated, block_k),
+                                        lambda: build_grouped_cpu(n, k, gated, block_k), "c")
+    y = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] and tile_start.shape[0]:
+        kern(x.contiguous(), codes.contiguous(), scale.contiguous(), e4m3_table(x.device), tile_start, tile_end,
+             tile_expert, y)
+    return y
+
+
+class ExpertStack:
+    """An MoE block's experts as block-FP8 stacks: codes [E, N', K], scale [E, N', KB]; `shape` is the
+    codes' (what grouped_gemm.moe_experts reads)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, block_k: int):
+        self.codes, self.scale, self.block_k = codes, scale, block_k
+
+    @property
+    def shape(self):
+        return self.codes.shape
+
+
+def grouped_gemm(x, w: ExpertStack, tile_start, tile_end, tile_expert, gated: bool = False):
+    """grouped_gemm.moe_experts' `gemm` over FP8 expert stacks (grouped_tilelang)."""
+    return grouped_tilelang(x, w.codes, w.scale, w.block_k, tile_start, tile_end, tile_expert, gated)
+
+
+def moe_experts(x, idx, gate_up: ExpertStack, down: ExpertStack):
+    """[T, k, H]: grouped_gemm.moe_experts with every expert's weights block-FP8."""
+    from .grouped_gemm import moe_experts as chain
+
+    return chain(x, idx, gate_up, down, gemm=grouped_gemm)
+
+
+def warmup_experts(gate_up: ExpertStack, down: ExpertStack, dtype: torch.dtype) -> None:
+    """Compile both GEMMs of `moe_experts` for these stacks' device, shapes and the activations' dtype."""
+    from .grouped_gemm import make_tiles
+
+    dev = gate_up.codes.device
+    e4m3_table(dev)  # made now: a first use inside a CUDA graph capture could not copy it to the device
+    for w, gated in ((gate_up, True), (down, False)):
+        k = w.shape[2]
+        tiles = make_tiles(torch.zeros(w.shape[0], dtype=torch.long, device=dev), 0)
+        x = torch.zeros(0, k, dtype=dtype, device=dev)
+        check_grouped_args(x, w.codes, w.scale, w.block_k, *tiles, gated)
+        n = w.shape[1] // 2 if gated else w.shape[1]
+        if dev.type == "cuda":
+            tdt = _GPU_DTYPES[dtype]
+            _tilelang.compile_cached(("grouped_fp8", "cuda", n, k, gated, w.block_k, tdt),
+                                     lambda: build_grouped_gpu(n, k, gated, w.block_k, tdt), "cuda")
+        else:
+            _tilelang.compile_cached(("grouped_fp8", "c", n, k, gated, w.block_k),
+                                     lambda: build_grouped_cpu(n, k, gated, w.block_k), "c")
