@@ -13,6 +13,9 @@ The weight an output reads is lut[w[n, k]] * scale[n, k // block_k], rounded to 
 value the load-time dequantisation (loader/fp8_blocks.py, then the cast to the engine's dtype) gives,
 so only the GEMM's summation order differs from running the dequantised checkpoint.
 
+The grouped form (an MoE block's routed experts: `moe_experts` over `ExpertStack`s) is
+grouped_gemm.py's kernel built for these weights (fp8_block), on its tile table.
+
 Implementations: the torch reference (dequantise, then one matmul), a GPU-style TileLang kernel (grid
 (N tiles, M tiles); the table in shared memory, each BLOCK_N x BLOCK_K weight slice decoded into shared
 memory in x's dtype and multiplied by T.gemm into an fp32 accumulator) and its CPU twin (target "c",
@@ -175,194 +178,46 @@ def fp8_gemm_tilelang(x, w, scale, block_k: int = 128):
 # and grouped_gemm's tile table (make_tiles): y[r] = x[r] @ dequant(w[e]).T, or silu(gate) * up when gated.
 
 
-def check_grouped_args(x, w, scale, block_k: int, tile_start, tile_end, tile_expert, gated: bool) -> None:
-    _checks.tensor("x", x, 2, (torch.float32, torch.float16, torch.bfloat16))
-    _checks.tensor("w", w, 3, (torch.uint8, torch.float8_e4m3fn))
-    _checks.tensor("scale", scale, 3, (torch.float32,))
-    for name, t in (("tile_start", tile_start), ("tile_end", tile_end), ("tile_expert", tile_expert)):
-        _checks.tensor(name, t, 1, (torch.int32,))
-        _checks.dim(name, t, 0, tile_start.shape[0], "number of tiles")
-    _checks.same_device(x=x, w=w, scale=scale, tile_start=tile_start, tile_end=tile_end, tile_expert=tile_expert)
-    _checks.dim("w", w, 2, x.shape[1], "K of x")
-    if not isinstance(block_k, int) or block_k < 1:
-        raise KernelInputError(f"block_k must be a positive int, got {block_k!r}")
-    if tuple(scale.shape) != (w.shape[0], w.shape[1], -(-w.shape[2] // block_k)):
-        raise KernelInputError(f"scale must have shape {(w.shape[0], w.shape[1], -(-w.shape[2] // block_k))} "
-                               f"(E, N', ceil(K / block_k={block_k})), got {tuple(scale.shape)}")
-    if gated and w.shape[1] % 2:
-        raise KernelInputError(f"a gated grouped GEMM needs w [E, 2N, K], got {tuple(w.shape)}")
-
-
 def grouped_reference(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated: bool = False):
     """The torch definition, tile by tile: each expert's weights dequantised to x's dtype, then the GEMM."""
-    from .grouped_gemm import grouped_gemm_reference
+    from . import grouped_gemm as G
 
-    check_grouped_args(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated)
+    G.check_args(x, w, tile_start, tile_end, tile_expert, gated, scale, block_k)
     deq = torch.stack([dequantize(w[e], scale[e], block_k, x.dtype) for e in range(w.shape[0])]) if w.shape[0] else \
         torch.empty(0, *w.shape[1:], dtype=x.dtype, device=x.device)
-    return grouped_gemm_reference(x, deq, tile_start, tile_end, tile_expert, gated)
-
-
-def build_grouped_cpu(n: int, k: int, gated: bool, block_k: int, block_m: int = 64):
-    """CPU twin of the grouped kernel (target "c", float32): per (row tile, output column), each row's
-    dot products over k in order, serially, every weight through the table and its scale."""
-    import tilelang.cpu.language as T  # noqa: PLC0415 - optional dependency
-
-    R, E, NT = T.dynamic("R"), T.dynamic("E"), T.dynamic("NT")
-    N, K, BM, BK = n, k, block_m, block_k
-    WN, KB = (2 * n if gated else n), -(-k // block_k)
-
-    @T.prim_func
-    def grouped_fp8_cpu(
-        x: T.Tensor((R, K), "float32"),
-        w: T.Tensor((E, WN, K), "uint8"),
-        scale: T.Tensor((E, WN, KB), "float32"),
-        lut: T.Tensor((256,), "float32"),
-        tile_start: T.Tensor((NT,), "int32"),
-        tile_end: T.Tensor((NT,), "int32"),
-        tile_expert: T.Tensor((NT,), "int32"),
-        y: T.Tensor((R, N), "float32"),
-    ):
-        with T.Kernel(NT, N) as (t, j):
-            acc = T.alloc_local((2,), "float32")
-            for i in T.serial(BM):
-                if tile_start[t] + i < tile_end[t]:
-                    acc[0] = T.float32(0)
-                    acc[1] = T.float32(0)
-                    ex = tile_expert[t]
-                    for kk in T.serial(K):
-                        acc[0] = acc[0] + x[tile_start[t] + i, kk] * (
-                            lut[T.cast(w[ex, j, kk], "int32")] * scale[ex, j, kk // BK])
-                        if gated:
-                            acc[1] = acc[1] + x[tile_start[t] + i, kk] * (
-                                lut[T.cast(w[ex, N + j, kk], "int32")] * scale[ex, N + j, kk // BK])
-                    if gated:
-                        y[tile_start[t] + i, j] = acc[0] / (T.float32(1) + T.exp(-acc[0])) * acc[1]
-                    else:
-                        y[tile_start[t] + i, j] = acc[0]
-
-    return grouped_fp8_cpu
-
-
-def build_grouped_gpu(n: int, k: int, gated: bool, block_k: int, dtype: str = "bfloat16", block_m: int = BLOCK_M,
-                      block_n: int = BLOCK_N, tile_k: int = BLOCK_K):
-    """GPU kernel: grouped_gemm.build_gpu's tiling (grid (column tiles, row tiles), tiles never straddle
-    two experts), with each expert's weight slice decoded into shared memory as `build_gpu` does."""
-    import tilelang.language as T  # noqa: PLC0415 - optional dependency
-
-    R, E, NT = T.dynamic("R"), T.dynamic("E"), T.dynamic("NT")
-    N, K, BM, BN, TK, SB = n, k, block_m, block_n, tile_k, block_k
-    WN, KB = (2 * n if gated else n), -(-k // block_k)
-
-    @T.macro
-    def load_b(b_s, w, scale, lut_s, ex, row0, bn, ko):  # expert ex's rows row0 + (tile bn's columns), k slice ko
-        for j, kk in T.Parallel(BN, TK):
-            r = row0 + T.min(bn * BN + j, N - 1)
-            c = T.min(ko * TK + kk, K - 1)
-            b_s[j, kk] = T.if_then_else((bn * BN + j < N) and (ko * TK + kk < K),
-                                        T.cast(lut_s[T.cast(w[ex, r, c], "int32")] * scale[ex, r, c // SB], dtype),
-                                        T.cast(0, dtype))
-
-    @T.macro
-    def load_a(a_s, x, s, e, ko):
-        for i, kk in T.Parallel(BM, TK):
-            a_s[i, kk] = T.if_then_else((s + i < e) and (ko * TK + kk < K),
-                                        x[T.min(s + i, R - 1), T.min(ko * TK + kk, K - 1)], T.cast(0, dtype))
-
-    @T.prim_func
-    def grouped_fp8_gpu(
-        x: T.Tensor((R, K), dtype),
-        w: T.Tensor((E, WN, K), "uint8"),
-        scale: T.Tensor((E, WN, KB), "float32"),
-        lut: T.Tensor((256,), "float32"),
-        tile_start: T.Tensor((NT,), "int32"),
-        tile_end: T.Tensor((NT,), "int32"),
-        tile_expert: T.Tensor((NT,), "int32"),
-        y: T.Tensor((R, N), dtype),
-    ):
-        with T.Kernel(T.ceildiv(N, BN), NT, threads=128) as (bn, t):
-            lut_s = T.alloc_shared((256,), "float32")
-            a_s = T.alloc_shared((BM, TK), dtype)
-            b_s = T.alloc_shared((BN, TK), dtype)
-            acc = T.alloc_fragment((BM, BN), "float32")
-            for c in T.Parallel(256):
-                lut_s[c] = lut[c]
-            s = tile_start[t]
-            e = tile_end[t]
-            ex = tile_expert[t]
-            T.clear(acc)
-            if s < e:
-                for ko in T.Pipelined(T.ceildiv(K, TK), num_stages=2):
-                    load_a(a_s, x, s, e, ko)
-                    load_b(b_s, w, scale, lut_s, ex, 0, bn, ko)
-                    T.gemm(a_s, b_s, acc, transpose_B=True)
-                for i, j in T.Parallel(BM, BN):
-                    if (s + i < e) and (bn * BN + j < N):
-                        y[s + i, bn * BN + j] = T.cast(acc[i, j], dtype)
-
-    @T.prim_func
-    def grouped_fp8_gated_gpu(
-        x: T.Tensor((R, K), dtype),
-        w: T.Tensor((E, WN, K), "uint8"),
-        scale: T.Tensor((E, WN, KB), "float32"),
-        lut: T.Tensor((256,), "float32"),
-        tile_start: T.Tensor((NT,), "int32"),
-        tile_end: T.Tensor((NT,), "int32"),
-        tile_expert: T.Tensor((NT,), "int32"),
-        y: T.Tensor((R, N), dtype),
-    ):
-        with T.Kernel(T.ceildiv(N, BN), NT, threads=128) as (bn, t):
-            lut_s = T.alloc_shared((256,), "float32")
-            a_s = T.alloc_shared((BM, TK), dtype)
-            g_s = T.alloc_shared((BN, TK), dtype)
-            u_s = T.alloc_shared((BN, TK), dtype)
-            acc_g = T.alloc_fragment((BM, BN), "float32")
-            acc_u = T.alloc_fragment((BM, BN), "float32")
-            for c in T.Parallel(256):
-                lut_s[c] = lut[c]
-            s = tile_start[t]
-            e = tile_end[t]
-            ex = tile_expert[t]
-            T.clear(acc_g)
-            T.clear(acc_u)
-            if s < e:
-                for ko in T.Pipelined(T.ceildiv(K, TK), num_stages=2):
-                    load_a(a_s, x, s, e, ko)
-                    load_b(g_s, w, scale, lut_s, ex, 0, bn, ko)
-                    load_b(u_s, w, scale, lut_s, ex, N, bn, ko)
-                    T.gemm(a_s, g_s, acc_g, transpose_B=True)
-                    T.gemm(a_s, u_s, acc_u, transpose_B=True)
-                for i, j in T.Parallel(BM, BN):
-                    if (s + i < e) and (bn * BN + j < N):
-                        y[s + i, bn * BN + j] = T.cast(
-                            acc_g[i, j] / (T.float32(1) + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
-
-    return grouped_fp8_gated_gpu if gated else grouped_fp8_gpu
+    return G.grouped_gemm_reference(x, deq, tile_start, tile_end, tile_expert, gated)
 
 
 def grouped_tilelang(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated: bool = False):
-    """Run the grouped TileLang kernel for the tensors' device (bf16 / fp16 on CUDA, fp32 on the CPU
-    twin); returns y [R, N]. Compiles once per (device kind, N, K, gated, block_k, dtype)."""
-    check_grouped_args(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated)
+    """Run the grouped TileLang kernel (grouped_gemm.py's, built for e4m3 weights) for the tensors' device
+    (bf16 / fp16 on CUDA, fp32 on the CPU twin); returns y [R, N]. Compiles once per (device kind, N, K,
+    gated, block_k, dtype)."""
+    from . import grouped_gemm as G
+
+    G.check_args(x, w, tile_start, tile_end, tile_expert, gated, scale, block_k)
     n = w.shape[1] // 2 if gated else w.shape[1]
-    k = x.shape[1]
-    codes = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
-    if x.is_cuda:
-        tdt = _GPU_DTYPES.get(x.dtype)
-        if tdt is None:
-            raise KernelInputError(f"the CUDA grouped fp8 GEMM takes bfloat16 or float16 activations, got {x.dtype}")
-        kern = _tilelang.compile_cached(("grouped_fp8", "cuda", n, k, gated, block_k, tdt),
-                                        lambda: build_grouped_gpu(n, k, gated, block_k, tdt), "cuda")
-    else:
-        if x.dtype != torch.float32:
-            raise KernelInputError(f"the CPU TileLang grouped fp8 GEMM supports float32 only, got {x.dtype}")
-        kern = _tilelang.compile_cached(("grouped_fp8", "c", n, k, gated, block_k),
-                                        lambda: build_grouped_cpu(n, k, gated, block_k), "c")
+    kern = _grouped_kernel(n, x.shape[1], gated, block_k, x.dtype, x.device)
     y = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] and tile_start.shape[0]:
+        codes = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
         kern(x.contiguous(), codes.contiguous(), scale.contiguous(), e4m3_table(x.device), tile_start, tile_end,
              tile_expert, y)
     return y
+
+
+def _grouped_kernel(n: int, k: int, gated: bool, block_k: int, dtype: torch.dtype, device: torch.device):
+    from . import grouped_gemm as G
+
+    if device.type == "cuda":
+        tdt = _GPU_DTYPES.get(dtype)
+        if tdt is None:  # T.gemm on fp32 operands runs TF32 on the tensor cores: not an fp32 result
+            raise KernelInputError(f"the CUDA grouped fp8 GEMM takes bfloat16 or float16 activations, got {dtype}")
+        return _tilelang.compile_cached(("grouped_fp8", "cuda", n, k, gated, block_k, tdt),
+                                        lambda: G.build_gpu(n, k, gated, tdt, fp8_block=block_k), "cuda")
+    if dtype != torch.float32:
+        raise KernelInputError(f"the CPU TileLang grouped fp8 GEMM supports float32 only, got {dtype}")
+    return _tilelang.compile_cached(("grouped_fp8", "c", n, k, gated, block_k),
+                                    lambda: G.build_cpu(n, k, gated, fp8_block=block_k), "c")
 
 
 class ExpertStack:
@@ -391,20 +246,7 @@ def moe_experts(x, idx, gate_up: ExpertStack, down: ExpertStack):
 
 def warmup_experts(gate_up: ExpertStack, down: ExpertStack, dtype: torch.dtype) -> None:
     """Compile both GEMMs of `moe_experts` for these stacks' device, shapes and the activations' dtype."""
-    from .grouped_gemm import make_tiles
-
     dev = gate_up.codes.device
     e4m3_table(dev)  # made now: a first use inside a CUDA graph capture could not copy it to the device
     for w, gated in ((gate_up, True), (down, False)):
-        k = w.shape[2]
-        tiles = make_tiles(torch.zeros(w.shape[0], dtype=torch.long, device=dev), 0)
-        x = torch.zeros(0, k, dtype=dtype, device=dev)
-        check_grouped_args(x, w.codes, w.scale, w.block_k, *tiles, gated)
-        n = w.shape[1] // 2 if gated else w.shape[1]
-        if dev.type == "cuda":
-            tdt = _GPU_DTYPES[dtype]
-            _tilelang.compile_cached(("grouped_fp8", "cuda", n, k, gated, w.block_k, tdt),
-                                     lambda: build_grouped_gpu(n, k, gated, w.block_k, tdt), "cuda")
-        else:
-            _tilelang.compile_cached(("grouped_fp8", "c", n, k, gated, w.block_k),
-                                     lambda: build_grouped_cpu(n, k, gated, w.block_k), "c")
+        _grouped_kernel(w.shape[1] // 2 if gated else w.shape[1], w.shape[2], gated, w.block_k, dtype, dev)

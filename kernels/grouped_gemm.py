@@ -11,6 +11,9 @@
 always has ceil(R / block_m) + E entries (enough for any split of R rows among E experts), the
 unused ones empty, so its shape depends only on R and E (a CUDA graph can capture it).
 
+The builders also make the W8A16 variant (fp8_block: e4m3 weights decoded as they are read, with
+per-row, per-column-block scales; fp8_gemm.py runs it).
+
 Implementations: the torch reference (per expert: one GEMM over its rows), a GPU-style TileLang
 kernel (grid (N tiles, row tiles); per block a BLOCK_M x BLOCK_N tile accumulated in fp32 over
 BLOCK_K slices of shared memory with T.gemm, silu * mul in the epilogue when gated) and its CPU twin
@@ -33,15 +36,25 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def check_args(x, w, tile_start, tile_end, tile_expert, gated: bool) -> None:
-    """Validate shapes, dtypes and devices; raises KernelInputError naming the problem."""
+def check_args(x, w, tile_start, tile_end, tile_expert, gated: bool, scale=None, fp8_block: int | None = None) -> None:
+    """Validate shapes, dtypes and devices; raises KernelInputError naming the problem. fp8_block: w holds
+    e4m3 codes (uint8 or float8_e4m3fn) with fp32 `scale` [E, N', ceil(K / fp8_block)] (fp8_gemm.py)."""
     _checks.tensor("x", x, 2, _DTYPES)
-    _checks.tensor("w", w, 3, (x.dtype,))
+    _checks.tensor("w", w, 3, (x.dtype,) if fp8_block is None else (torch.uint8, torch.float8_e4m3fn))
     for name, t in (("tile_start", tile_start), ("tile_end", tile_end), ("tile_expert", tile_expert)):
         _checks.tensor(name, t, 1, (torch.int32,))
         _checks.dim(name, t, 0, tile_start.shape[0], "number of tiles")
     _checks.same_device(x=x, w=w, tile_start=tile_start, tile_end=tile_end, tile_expert=tile_expert)
     _checks.dim("w", w, 2, x.shape[1], "K of x")
+    if fp8_block is not None:
+        if not isinstance(fp8_block, int) or fp8_block < 1:
+            raise KernelInputError(f"block_k must be a positive int, got {fp8_block!r}")
+        _checks.tensor("scale", scale, 3, (torch.float32,))
+        _checks.same_device(x=x, scale=scale)
+        want = (w.shape[0], w.shape[1], -(-w.shape[2] // fp8_block))
+        if tuple(scale.shape) != want:
+            raise KernelInputError(f"scale must have shape {want} (E, N', ceil(K / block_k={fp8_block})), "
+                                   f"got {tuple(scale.shape)}")
     if gated and w.shape[1] % 2:
         raise KernelInputError(f"a gated grouped GEMM needs w [E, 2N, K], got {tuple(w.shape)}")
 
@@ -86,52 +99,89 @@ def grouped_gemm_reference(x, w, tile_start, tile_end, tile_expert, gated: bool 
     return y
 
 
-def build_cpu(n: int, k: int, gated: bool, block_m: int = BLOCK_M):
+def _weight(T, w, scale, lut, ex, r, c, fp8_block):
+    """Expert ex's weight at (row r, column c): as stored, or (fp8_block) its e4m3 code's table value
+    times the row's scale for c's column block (kernels/fp8_gemm.py's definition). Plain Python, with
+    the builder's language module T: the builders call it while they trace, so each kernel reads one
+    expression or the other."""
+    if fp8_block is None:
+        return w[ex, r, c]
+    return lut[T.cast(w[ex, r, c], "int32")] * scale[ex, r, c // fp8_block]
+
+
+def build_cpu(n: int, k: int, gated: bool, block_m: int = BLOCK_M, fp8_block: int | None = None):
     """CPU twin (target "c", float32): per (row tile, output column), each row's dot product over k in
-    order, serially."""
+    order, serially. fp8_block: the weights are e4m3 codes (uint8) with fp32 scales [E, N', ceil(K /
+    fp8_block)] and a 256-entry table (fp8_gemm.py), decoded as they are read."""
     import tilelang.cpu.language as T  # noqa: PLC0415 - optional dependency
 
     R, E, NT = T.dynamic("R"), T.dynamic("E"), T.dynamic("NT")
     N, K, BM = n, k, block_m
     WN = 2 * n if gated else n
+    KB = -(-k // fp8_block) if fp8_block else 1
+
+    @T.macro
+    def rows(x, w, scale, lut, tile_start, tile_end, tile_expert, y, t, j):
+        acc = T.alloc_local((2,), "float32")
+        for i in T.serial(BM):
+            if tile_start[t] + i < tile_end[t]:
+                acc[0] = T.float32(0)
+                acc[1] = T.float32(0)
+                for kk in T.serial(K):
+                    acc[0] = acc[0] + x[tile_start[t] + i, kk] * _weight(T, w, scale, lut, tile_expert[t], j, kk, fp8_block)
+                    if gated:
+                        acc[1] = acc[1] + x[tile_start[t] + i, kk] * _weight(T, w, scale, lut, tile_expert[t], N + j, kk,
+                                                                                fp8_block)
+                if gated:
+                    y[tile_start[t] + i, j] = acc[0] / (T.float32(1) + T.exp(-acc[0])) * acc[1]
+                else:
+                    y[tile_start[t] + i, j] = acc[0]
+
+    if fp8_block is None:  # (only the variant asked for is defined: the decorator traces it)
+        @T.prim_func
+        def grouped_gemm_cpu(
+            x: T.Tensor((R, K), "float32"),
+            w: T.Tensor((E, WN, K), "float32"),
+            tile_start: T.Tensor((NT,), "int32"),
+            tile_end: T.Tensor((NT,), "int32"),
+            tile_expert: T.Tensor((NT,), "int32"),
+            y: T.Tensor((R, N), "float32"),
+        ):
+            with T.Kernel(NT, N) as (t, j):
+                rows(x, w, None, None, tile_start, tile_end, tile_expert, y, t, j)
+
+        return grouped_gemm_cpu
 
     @T.prim_func
-    def grouped_gemm_cpu(
+    def grouped_gemm_fp8_cpu(
         x: T.Tensor((R, K), "float32"),
-        w: T.Tensor((E, WN, K), "float32"),
+        w: T.Tensor((E, WN, K), "uint8"),
+        scale: T.Tensor((E, WN, KB), "float32"),
+        lut: T.Tensor((256,), "float32"),
         tile_start: T.Tensor((NT,), "int32"),
         tile_end: T.Tensor((NT,), "int32"),
         tile_expert: T.Tensor((NT,), "int32"),
         y: T.Tensor((R, N), "float32"),
     ):
         with T.Kernel(NT, N) as (t, j):
-            acc = T.alloc_local((2,), "float32")
-            for i in T.serial(BM):
-                if tile_start[t] + i < tile_end[t]:
-                    acc[0] = T.float32(0)
-                    acc[1] = T.float32(0)
-                    for kk in T.serial(K):
-                        acc[0] = acc[0] + x[tile_start[t] + i, kk] * w[tile_expert[t], j, kk]
-                        if gated:
-                            acc[1] = acc[1] + x[tile_start[t] + i, kk] * w[tile_expert[t], N + j, kk]
-                    if gated:
-                        y[tile_start[t] + i, j] = acc[0] / (T.float32(1) + T.exp(-acc[0])) * acc[1]
-                    else:
-                        y[tile_start[t] + i, j] = acc[0]
+            rows(x, w, scale, lut, tile_start, tile_end, tile_expert, y, t, j)
 
-    return grouped_gemm_cpu
+    return grouped_gemm_fp8_cpu
 
 
 def build_gpu(n: int, k: int, gated: bool, dtype: str = "bfloat16", block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-              block_k: int = BLOCK_K):
+              block_k: int = BLOCK_K, fp8_block: int | None = None):
     """GPU kernel: grid (column tiles, row tiles), 128 threads; a BLOCK_M x BLOCK_N fp32 accumulator
     (two when gated) over BLOCK_K slices staged in shared memory, T.gemm on the tensor cores;
-    rows past the tile's end and columns past N are zero-filled on load and not stored."""
+    rows past the tile's end and columns past N are zero-filled on load and not stored.
+    fp8_block: e4m3 weights (as build_cpu's), the table copied to shared memory once per block and
+    each weight slice decoded into shared memory in `dtype` (W8A16, fp8_gemm.py)."""
     import tilelang.language as T  # noqa: PLC0415 - optional dependency
 
     R, E, NT = T.dynamic("R"), T.dynamic("E"), T.dynamic("NT")
     N, K, BM, BN, BK = n, k, block_m, block_n, block_k
     WN = 2 * n if gated else n
+    KB = -(-k // fp8_block) if fp8_block else 1
 
     @T.macro
     def load_a(a_s, x, s, e, ko):
@@ -140,71 +190,95 @@ def build_gpu(n: int, k: int, gated: bool, dtype: str = "bfloat16", block_m: int
                                         x[T.min(s + i, R - 1), T.min(ko * BK + kk, K - 1)], T.cast(0, dtype))
 
     @T.macro
-    def load_b(b_s, w, ex, row0, bn, ko):  # w[ex, row0 + (columns of tile bn), k slice ko]
+    def load_b(b_s, w, scale, lut_s, ex, row0, bn, ko):  # w[ex, row0 + (columns of tile bn), k slice ko]
         for j, kk in T.Parallel(BN, BK):
             b_s[j, kk] = T.if_then_else((bn * BN + j < N) and (ko * BK + kk < K),
-                                        w[ex, row0 + T.min(bn * BN + j, N - 1), T.min(ko * BK + kk, K - 1)],
+                                        T.cast(_weight(T, w, scale, lut_s, ex, row0 + T.min(bn * BN + j, N - 1),
+                                                       T.min(ko * BK + kk, K - 1), fp8_block), dtype),
                                         T.cast(0, dtype))
 
+    @T.macro
+    def plain_tile(x, w, scale, lut_s, tile_start, tile_end, tile_expert, y, bn, t):
+        a_s = T.alloc_shared((BM, BK), dtype)
+        b_s = T.alloc_shared((BN, BK), dtype)
+        acc = T.alloc_fragment((BM, BN), "float32")
+        s = tile_start[t]
+        e = tile_end[t]
+        ex = tile_expert[t]
+        T.clear(acc)
+        if s < e:
+            for ko in T.Pipelined(T.ceildiv(K, BK), num_stages=2):
+                load_a(a_s, x, s, e, ko)
+                load_b(b_s, w, scale, lut_s, ex, 0, bn, ko)
+                T.gemm(a_s, b_s, acc, transpose_B=True)
+            for i, j in T.Parallel(BM, BN):
+                if (s + i < e) and (bn * BN + j < N):
+                    y[s + i, bn * BN + j] = T.cast(acc[i, j], dtype)
+
+    @T.macro
+    def gated_tile(x, w, scale, lut_s, tile_start, tile_end, tile_expert, y, bn, t):
+        a_s = T.alloc_shared((BM, BK), dtype)
+        g_s = T.alloc_shared((BN, BK), dtype)
+        u_s = T.alloc_shared((BN, BK), dtype)
+        acc_g = T.alloc_fragment((BM, BN), "float32")
+        acc_u = T.alloc_fragment((BM, BN), "float32")
+        s = tile_start[t]
+        e = tile_end[t]
+        ex = tile_expert[t]
+        T.clear(acc_g)
+        T.clear(acc_u)
+        if s < e:
+            for ko in T.Pipelined(T.ceildiv(K, BK), num_stages=2):
+                load_a(a_s, x, s, e, ko)
+                load_b(g_s, w, scale, lut_s, ex, 0, bn, ko)
+                load_b(u_s, w, scale, lut_s, ex, N, bn, ko)
+                T.gemm(a_s, g_s, acc_g, transpose_B=True)
+                T.gemm(a_s, u_s, acc_u, transpose_B=True)
+            for i, j in T.Parallel(BM, BN):
+                if (s + i < e) and (bn * BN + j < N):
+                    y[s + i, bn * BN + j] = T.cast(
+                        acc_g[i, j] / (T.float32(1) + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
+
+    # (the decorator traces the function as it is defined: only the variant asked for is defined)
+    if fp8_block is None:
+        @T.prim_func
+        def grouped_gemm_gpu(
+            x: T.Tensor((R, K), dtype),
+            w: T.Tensor((E, WN, K), dtype),
+            tile_start: T.Tensor((NT,), "int32"),
+            tile_end: T.Tensor((NT,), "int32"),
+            tile_expert: T.Tensor((NT,), "int32"),
+            y: T.Tensor((R, N), dtype),
+        ):
+            with T.Kernel(T.ceildiv(N, BN), NT, threads=128) as (bn, t):
+                if gated:
+                    gated_tile(x, w, None, None, tile_start, tile_end, tile_expert, y, bn, t)
+                else:
+                    plain_tile(x, w, None, None, tile_start, tile_end, tile_expert, y, bn, t)
+
+        return grouped_gemm_gpu
+
     @T.prim_func
-    def grouped_gemm_gpu(
+    def grouped_gemm_fp8_gpu(
         x: T.Tensor((R, K), dtype),
-        w: T.Tensor((E, WN, K), dtype),
+        w: T.Tensor((E, WN, K), "uint8"),
+        scale: T.Tensor((E, WN, KB), "float32"),
+        lut: T.Tensor((256,), "float32"),
         tile_start: T.Tensor((NT,), "int32"),
         tile_end: T.Tensor((NT,), "int32"),
         tile_expert: T.Tensor((NT,), "int32"),
         y: T.Tensor((R, N), dtype),
     ):
         with T.Kernel(T.ceildiv(N, BN), NT, threads=128) as (bn, t):
-            a_s = T.alloc_shared((BM, BK), dtype)
-            b_s = T.alloc_shared((BN, BK), dtype)
-            acc = T.alloc_fragment((BM, BN), "float32")
-            s = tile_start[t]
-            e = tile_end[t]
-            ex = tile_expert[t]
-            T.clear(acc)
-            if s < e:
-                for ko in T.Pipelined(T.ceildiv(K, BK), num_stages=2):
-                    load_a(a_s, x, s, e, ko)
-                    load_b(b_s, w, ex, 0, bn, ko)
-                    T.gemm(a_s, b_s, acc, transpose_B=True)
-                for i, j in T.Parallel(BM, BN):
-                    if (s + i < e) and (bn * BN + j < N):
-                        y[s + i, bn * BN + j] = T.cast(acc[i, j], dtype)
+            lut_s = T.alloc_shared((256,), "float32")
+            for c in T.Parallel(256):
+                lut_s[c] = lut[c]
+            if gated:
+                gated_tile(x, w, scale, lut_s, tile_start, tile_end, tile_expert, y, bn, t)
+            else:
+                plain_tile(x, w, scale, lut_s, tile_start, tile_end, tile_expert, y, bn, t)
 
-    @T.prim_func
-    def grouped_gemm_gated_gpu(
-        x: T.Tensor((R, K), dtype),
-        w: T.Tensor((E, WN, K), dtype),
-        tile_start: T.Tensor((NT,), "int32"),
-        tile_end: T.Tensor((NT,), "int32"),
-        tile_expert: T.Tensor((NT,), "int32"),
-        y: T.Tensor((R, N), dtype),
-    ):
-        with T.Kernel(T.ceildiv(N, BN), NT, threads=128) as (bn, t):
-            a_s = T.alloc_shared((BM, BK), dtype)
-            g_s = T.alloc_shared((BN, BK), dtype)
-            u_s = T.alloc_shared((BN, BK), dtype)
-            acc_g = T.alloc_fragment((BM, BN), "float32")
-            acc_u = T.alloc_fragment((BM, BN), "float32")
-            s = tile_start[t]
-            e = tile_end[t]
-            ex = tile_expert[t]
-            T.clear(acc_g)
-            T.clear(acc_u)
-            if s < e:
-                for ko in T.Pipelined(T.ceildiv(K, BK), num_stages=2):
-                    load_a(a_s, x, s, e, ko)
-                    load_b(g_s, w, ex, 0, bn, ko)
-                    load_b(u_s, w, ex, N, bn, ko)
-                    T.gemm(a_s, g_s, acc_g, transpose_B=True)
-                    T.gemm(a_s, u_s, acc_u, transpose_B=True)
-                for i, j in T.Parallel(BM, BN):
-                    if (s + i < e) and (bn * BN + j < N):
-                        y[s + i, bn * BN + j] = T.cast(
-                            acc_g[i, j] / (T.float32(1) + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
-
-    return grouped_gemm_gated_gpu if gated else grouped_gemm_gpu
+    return grouped_gemm_fp8_gpu
 
 
 def grouped_gemm_tilelang(x, w, tile_start, tile_end, tile_expert, gated: bool = False):

@@ -85,8 +85,10 @@ class EngineConfig:
     moe_expert_dtype: str = "auto"
     # a block-FP8 checkpoint (DeepSeek-V3's): "auto" keeps its projections FP8 where the FP8 kernel runs
     # them (CUDA, bf16 / fp16 activations, TileLang: a byte per weight) and dequantises them at load
-    # elsewhere; "keep" keeps them FP8 everywhere (without the kernel each is dequantised per call:
-    # a quarter of fp32's bytes held, slower); "dequantize" always dequantises at load (fp8_linear.py)
+    # elsewhere; "keep" keeps them FP8 everywhere: without the kernel each weight is dequantised per
+    # call, a memory-for-time trade (benchmarks/moe.py's V3-shaped model as an FP8 checkpoint, CPU fp32:
+    # 216 MB held instead of 856, but 23 instead of 265 tok/s at batch 8); "dequantize" always
+    # dequantises at load (fp8_linear.py)
     fp8_weights: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None -> all cores
     cache_dir: str | None = None  # where converted models are cached

@@ -59,6 +59,9 @@ def test_kept_weight_holds_the_load_time_values_with_rows_expanded():
     assert torch.equal(f.dequantize(), dequantize_block(q, s, block))  # the fp32 values, bit for bit
     assert torch.equal(f.dequantize(torch.bfloat16), dequantize_block(q, s, block).to(torch.bfloat16))
     assert f.nbytes == 300 * 200 + 300 * 4 * 4
+    whole = Fp8Weight.from_blocks(*_fp8(300, 200, (128, 40), 2), (128, 40))  # K whole blocks: the broadcast path
+    q2, s2 = _fp8(300, 200, (128, 40), 2)
+    assert torch.equal(whole.dequantize(), dequantize_block(q2, s2, (128, 40)))
 
 
 def test_kept_weights_concatenate_by_rows_across_partial_blocks():
