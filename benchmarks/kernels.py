@@ -9,7 +9,9 @@ Prints, per op and size, the median time of the torch reference and of the TileL
 kernel is faster). On CUDA the memory-bound kernels also report achieved bandwidth as a share
 of the H200's 4.3 TB/s. Compile time (or disk-cache load time) per kernel is printed last.
 On CPU the "native" rows compare the C kernels of deepinfer_kernels.native with the torch code the
-engine runs without them.
+engine runs without them. On CUDA the "fp8" rows compare the W8A16 block-FP8 GEMMs (fp8_gemm.py, dense
+and grouped experts) with torch's bf16 GEMMs on the same weights dequantised, what an engine that
+dequantises the checkpoint at load runs; their bandwidth counts the bytes each kernel reads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deepinfer_kernels import _tilelang, rng  # noqa: E402
+from deepinfer_kernels import _tilelang, fp8_gemm, grouped_gemm, rng  # noqa: E402
 from deepinfer_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_reference,
     paged_decode_attention_tilelang,
@@ -125,6 +127,42 @@ def bench_attention(rows, device, iters, quick, dtype):
             report(rows, "paged_decode_attention", f"{str(dtype)[6:]} H={h}/{hkv} D={d} B={b} L={ctx}", t_ref, t_tl, nbytes, device)
 
 
+def bench_fp8(rows, device, iters, quick):
+    """DeepSeek-V3's projection shapes (N x K) at decode and prefill row counts, 128 x 128 blocks, and the
+    routed experts of a V3 layer as one expert-parallel rank holds them (32 of 256, top-8 over all 256).
+    --quick: small shapes (on CPU the kernels' fp32 twins against torch's fp32 GEMMs)."""
+    torch.manual_seed(3)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def fp8(*shape):
+        codes = (torch.randn(*shape, device=device) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return codes, torch.rand(*shape[:-1], -(-shape[-1] // 128), device=device) * 1e-3
+
+    shapes = [(512, 256)] if quick else [(7168, 2048), (4096, 7168)]
+    for n, k in shapes:
+        codes, scale = fp8(n, k)
+        w16 = fp8_gemm.dequantize(codes, scale, 128, dt)
+        for m in (1, 16, 128) if quick else (1, 16, 128, 1024):
+            x = torch.randn(m, k, device=device).to(dt)
+            t_ref = timeit(lambda: F.linear(x, w16), device, iters)
+            t_k = timeit(lambda: fp8_gemm.fp8_gemm_tilelang(x, codes, scale, 128), device, iters)
+            nbytes = n * k + scale.numel() * 4 + x.element_size() * m * (k + n)
+            report(rows, "fp8_gemm", f"M={m} N={n} K={k}", t_ref, t_k, nbytes, device)
+    e, hid, inter = (8, 256, 128) if quick else (32, 7168, 2048)
+    gu, dn = fp8_gemm.ExpertStack(*fp8(e, 2 * inter, hid), 128), fp8_gemm.ExpertStack(*fp8(e, hid, inter), 128)
+    gu16 = torch.stack([fp8_gemm.dequantize(gu.codes[i], gu.scale[i], 128, dt) for i in range(e)])
+    dn16 = torch.stack([fp8_gemm.dequantize(dn.codes[i], dn.scale[i], 128, dt) for i in range(e)])
+    for t in (1, 16, 128) if quick else (1, 16, 128, 1024):
+        x = torch.randn(t, hid, device=device).to(dt)
+        # top-8 of 256 experts: a rank's 32 get 1 of 8 slots on average (ids past 31 are other ranks')
+        idx = torch.stack([torch.randperm(e, device=device)[:1] for _ in range(t)])
+        t_ref = timeit(lambda: grouped_gemm.moe_experts(x, idx, gu16, dn16), device, iters)
+        t_k = timeit(lambda: fp8_gemm.moe_experts(x, idx, gu, dn), device, iters)
+        nbytes = min(e, t) * 3 * inter * hid + 2 * t * hid * x.element_size()
+        report(rows, "fp8 grouped experts", f"T={t} E={e} H={hid} I={inter}", t_ref, t_k, nbytes, device,
+               impl="fp8 vs bf16 kernel")
+
+
 def bench_native(rows, iters, quick):
     """CPU only: the native C kernels (deepinfer_kernels.native) against the torch code the engine runs
     without them (index_select + SDPA decode attention, per-chunk SDPA prefill, torch add + rms_norm)."""
@@ -215,7 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="fewer sizes")
-    p.add_argument("--ops", default="sampling,rmsnorm,attention,native", help="native: CPU C kernels")
+    p.add_argument("--ops", default="sampling,rmsnorm,attention,native,fp8",
+                   help="native: CPU C kernels; fp8: the block-FP8 GEMMs (CUDA, or --quick)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -237,6 +276,8 @@ def main(argv=None) -> int:
             bench_rmsnorm(rows, device, iters, a.quick, dt)
         if "attention" in ops:
             bench_attention(rows, device, iters, a.quick, dt)
+    if "fp8" in ops and (device.type == "cuda" or a.quick):  # last: its kernels compile per shape
+        bench_fp8(rows, device, iters, a.quick)
     print("compile / cache-load seconds per kernel:")
     for k, s in _tilelang.COMPILE_SECONDS.items():
         print(f"  {k}: {s:.2f}")

@@ -42,7 +42,7 @@ timeout 330 $PY -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee
 rc_test=${PIPESTATUS[0]}
 
 echo "== benchmarks/kernels.py --device cuda"
-timeout 150 $PY benchmarks/kernels.py --device cuda --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.log"
+timeout 240 $PY benchmarks/kernels.py --device cuda --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.log"
 rc_bench=${PIPESTATUS[0]}
 
 echo "pytest rc=$rc_test bench rc=$rc_bench"
