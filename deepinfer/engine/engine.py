@@ -68,6 +68,7 @@ class Engine:
         return fn(*args) if self._compute is None else self._compute.run(fn, *args)
 
     def _build(self, model: str | None) -> None:
+        from deepinfer.engine.fp8_linear import kept_projection
         from deepinfer.engine.loader import load_model  # heavy imports only when an engine is built
 
         cfg = self.config
@@ -81,8 +82,6 @@ class Engine:
 
             tensor_filter = weight_filter(cfg)
         asked = precision.request(cfg, self.device)
-        from deepinfer.engine.fp8_linear import kept_projection
-
         loaded = load_model(model, cache_dir=cfg.cache_dir, keep_quantized=asked.quant_mode is not None,
                             tensor_filter=tensor_filter, keep_16bit=asked.keep_16bit,
                             keep_fp8=kept_projection if asked.keep_fp8 else None)

@@ -158,6 +158,13 @@ def settle(p: Precision, cfg: EngineConfig, loaded) -> Precision:
     if cfg.dtype in QUANT_DTYPES and not loaded.quantized:
         raise InvalidRequestError(f"dtype={cfg.dtype!r} needs a GGUF checkpoint with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors; "
                                   f"{loaded.source} has none")
+    if p.bf16_dot and p.keep_fp8:
+        from deepinfer.engine.loader.fp8_blocks import Fp8Weight
+
+        if any(isinstance(t, Fp8Weight) for t in loaded.weights.values()):
+            raise InvalidRequestError("dtype='bfloat16' on CPU (bf16 dot products on packed panels) does not combine "
+                                      "with fp8_weights='keep'; use fp8_weights='auto' (dequantised at load, then "
+                                      "bf16 dot products) or dtype='float32'")
     if not p.bf16_dot:
         return p
     if loaded.quantized and p.quant_mode:

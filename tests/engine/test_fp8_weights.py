@@ -136,6 +136,14 @@ def test_bad_settings_are_named(tmp_path):
         Engine(str(src), kv_cache_memory=2 << 20, fp8_weights="keep", expert_parallel_size=2)
 
 
+def test_bf16_dot_products_and_kept_fp8_are_refused_by_name(pair):
+    _, fp8_dir, _, _ = pair
+    with pytest.raises(InvalidRequestError, match="dtype='bfloat16' on CPU .* does not combine with fp8_weights='keep'"):
+        Engine(str(fp8_dir), kv_cache_memory=2 << 20, fp8_weights="keep", dtype="bfloat16")
+    eng = Engine(str(fp8_dir), kv_cache_memory=2 << 20, dtype="bfloat16")  # auto: dequantised, then bf16 dots
+    assert not eng.runner.model.fp8_weights
+
+
 def test_a_checkpoint_without_fp8_ignores_keep(tmp_path):
     src = make_moe_model(tmp_path / "src", "qwen3_moe", seed=3)
     eng = Engine(str(src), kv_cache_memory=2 << 20, fp8_weights="keep")

@@ -87,7 +87,7 @@ def read_weights(model_dir: Path, keep=None, skipped: set[str] | None = None, ke
             raise ModelLoadError(f"{index} lists tensors its shards lack: {absent[:5]}")
     else:
         raise ModelLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir} (only safetensors checkpoints load)")
-    if any(n.endswith(fp8_blocks.SCALE_SUFFIX) for n in tensors):  # block-FP8 (DeepSeek): dequantise now
+    if any(n.endswith(fp8_blocks.SCALE_SUFFIX) for n in tensors):  # block-FP8 (DeepSeek): dequantise, or keep
         cfg = read_json_object(model_dir / "config.json", "config.json")
         block = fp8_blocks.block_size_of(cfg)
         tensors = (fp8_blocks.keep_checkpoint(tensors, block, keep_fp8) if keep_fp8 is not None
