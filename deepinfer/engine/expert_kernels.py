@@ -160,6 +160,25 @@ class Fp8TileLangExperts(nn.Module):
         self._kernel = fp8_gemm.moe_experts
         self.gate_up, self.down = gate_up, down  # fp8_gemm.ExpertStack; the linear's entries are views of them
         fp8_gemm.warmup_experts(gate_up, down, dtype)  # compile both GEMMs now, never on the step path
+        self._check(dtype)
+
+    def _check(self, dtype: torch.dtype) -> None:
+        """Four random tokens through the kernel against the torch definition (each used expert's weights
+        dequantised, grouped_gemm's reference); raises RuntimeError on a wrong result."""
+        from deepinfer.engine.fp8_linear import check_result
+        from deepinfer_kernels import fp8_gemm, grouped_gemm
+
+        dev, e = self.gate_up.codes.device, self.gate_up.shape[0]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, self.gate_up.shape[2], generator=g).to(dev, dtype)
+        idx = torch.stack([torch.randperm(e, generator=g)[: min(2, e)] for _ in range(4)]).to(dev)
+        used = sorted(set(idx.flatten().tolist()))
+        remap = torch.full((e,), -1, dtype=torch.long)
+        remap[used] = torch.arange(len(used))
+        deq = [torch.stack([fp8_gemm.dequantize(s.codes[i], s.scale[i], s.block_k, dtype) for i in used])
+               for s in (self.gate_up, self.down)]
+        want = grouped_gemm.moe_experts(x, remap.to(dev)[idx], *deq, gemm=grouped_gemm.grouped_gemm_reference)
+        check_result(self(x, idx), want, "the grouped FP8 expert kernel")
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self.gate_up, self.down)
@@ -188,8 +207,9 @@ def install_fp8_experts(model: nn.Module, device: torch.device, dtype: torch.dty
     """Install the grouped block-FP8 expert kernel in every MoeBlock whose experts the model kept as FP8
     (`model.fp8_weights`); returns how many blocks use it (0: their experts run one at a time through the
     fp8 linear). Runs where the FP8 kernel does (fp8_linear.kernel_runs: CUDA, bf16 / fp16, TileLang),
-    and on CPU fp32 with kernels="tilelang" (the CPU twin: tests). A failed compile keeps the per-expert
-    path with a warning under "auto" and raises under "tilelang"."""
+    and on CPU fp32 with kernels="tilelang" (the CPU twin: tests). Each block's kernel is checked against
+    the torch definition at install; a failed compile or check keeps the per-expert path with a warning
+    under "auto" and raises under "tilelang"."""
     from deepinfer.engine.fp8_linear import kernel_runs
     from deepinfer.engine.models.moe import MoeBlock
     from deepinfer_kernels import _tilelang
@@ -206,7 +226,7 @@ def install_fp8_experts(model: nn.Module, device: torch.device, dtype: torch.dty
                 if stacks is not None:
                     b.set_expert_kernel(Fp8TileLangExperts(*stacks, dtype))
                     n += 1
-    except Exception as e:  # noqa: BLE001 - a compile failure means "keep the per-expert path"
+    except Exception as e:  # noqa: BLE001 - a compile failure or a wrong result means "keep the per-expert path"
         if kernels == "tilelang":
             raise
         for b in model.modules():

@@ -80,10 +80,35 @@ class Fp8Linear:
         return self.base(x, f.dequantize(x.dtype), b)
 
 
+# a kernel's result against the torch definition at install: |kernel - reference| <= CHECK_TOL * max |reference|
+# (bf16 / fp16 outputs round to 8 / 11 bits; a wrong block, row or code is off by far more)
+CHECK_TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+def check_result(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Raise RuntimeError naming `what` unless got is within CHECK_TOL of want (finite both)."""
+    tol = CHECK_TOL.get(want.dtype, 3e-2) * float(want.float().abs().max()) + 1e-6
+    err = float((got.float() - want.float()).abs().max()) if got.shape == want.shape else float("inf")
+    if not (err <= tol):  # (NaN fails too)
+        raise RuntimeError(f"{what} disagrees with its torch definition at install (max |diff| {err:.3g} > {tol:.3g})")
+
+
+def check_kernel(f: Fp8Weight, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the FP8 kernel for f's shape (now, never on the step path) and check its result on three
+    random rows against the dequantised matmul; raises on a compile failure or a wrong result."""
+    from deepinfer_kernels import fp8_gemm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, f.shape[1], generator=g).to(device, dtype)
+    check_result(fp8_gemm.fp8_gemm_tilelang(x, f.codes, f.scale, f.block_k),
+                 torch.nn.functional.linear(x, f.dequantize(dtype)), f"the FP8 kernel on {list(f.shape)}")
+
+
 def install_fp8(model, base, device: torch.device, dtype: torch.dtype, kernels: str, invariant: bool) -> Fp8Linear | None:
     """The fp8 linear over `model.fp8_weights` and `base`, or None when the model kept none. Checks that
     every placeholder the model holds is a kept weight (one left over would compute NaN) and, on the
-    kernel path, compiles the kernel for every kept shape now (never on the per-step path)."""
+    kernel path, compiles the kernel for every kept shape now and checks its result (check_kernel): a
+    failure warns and dequantises per call instead under kernels="auto", and raises under "tilelang"."""
     table = getattr(model, "fp8_weights", {})
     if not table:
         return None
@@ -94,15 +119,14 @@ def install_fp8(model, base, device: torch.device, dtype: torch.dtype, kernels: 
     if kernels == "tilelang" and not use_kernel and device.type == "cpu" and dtype == torch.float32 and not invariant:
         use_kernel = True  # the kernel's CPU twin, asked for by name (tests; slow)
     if use_kernel:
-        from deepinfer_kernels import _tilelang, fp8_gemm
-
         try:
             for f in {(w.shape, w.block_k): w for w in table.values()}.values():
-                fp8_gemm.fp8_gemm_tilelang(torch.zeros(1, f.shape[1], dtype=dtype, device=device), f.codes, f.scale, f.block_k)
-        except Exception as e:  # noqa: BLE001 - a compile failure means "dequantise per call"
+                check_kernel(f, dtype, device)
+        except Exception as e:  # noqa: BLE001 - a compile failure or a wrong result means "dequantise per call"
             if kernels == "tilelang":
                 raise
-            _tilelang.warn_fallback("fp8_gemm", e)
+            warnings.warn(f"the TileLang FP8 kernel is unavailable ({type(e).__name__}: {e}); FP8 weights are "
+                          "dequantised per call", RuntimeWarning, stacklevel=2)
             use_kernel = False
     if kernels == "tilelang" and not use_kernel:
         warnings.warn("kernels='tilelang': the FP8 kernel runs on CUDA with bfloat16 / float16 activations (or "

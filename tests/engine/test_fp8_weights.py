@@ -148,3 +148,30 @@ def test_a_checkpoint_without_fp8_ignores_keep(tmp_path):
     src = make_moe_model(tmp_path / "src", "qwen3_moe", seed=3)
     eng = Engine(str(src), kv_cache_memory=2 << 20, fp8_weights="keep")
     assert eng.precision == "float32" and not eng.runner.model.fp8_weights
+
+
+def test_a_kernel_with_wrong_results_is_caught_at_install(tmp_path, monkeypatch, tilelang_if_needed):
+    """Each FP8 kernel is checked against its torch definition when installed: a wrong one raises under
+    kernels="tilelang" and, under "auto", warns and is not used (the weights are dequantised per call)."""
+    tilelang_if_needed()
+    import deepinfer.engine.fp8_linear as fl
+    from deepinfer_kernels import fp8_gemm
+
+    fp8_dir, ref_dir, _ = make_fp8_pair(make_moe_model(tmp_path / "src", "qwen3_moe", seed=21), tmp_path)
+    good_dense, good_experts = fp8_gemm.fp8_gemm_tilelang, fp8_gemm.moe_experts
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a: good_dense(*a) * 1.5)
+    with pytest.raises(RuntimeError, match=r"the FP8 kernel on \[\d+, \d+\] disagrees with its torch definition"):
+        Engine(str(fp8_dir), kv_cache_memory=2 << 20, fp8_weights="keep", kernels="tilelang")
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", good_dense)
+    monkeypatch.setattr(fp8_gemm, "moe_experts", lambda x, idx, gu, dn: good_experts(x, idx.flip(1), gu, dn))
+    with pytest.raises(RuntimeError, match="the grouped FP8 expert kernel disagrees"):
+        Engine(str(fp8_dir), kv_cache_memory=2 << 20, fp8_weights="keep", kernels="tilelang")
+    # "auto" where the kernel would run (forced here on CPU): a warning, and outputs still right
+    monkeypatch.setattr(fp8_gemm, "moe_experts", good_experts)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a: good_dense(*a) * 1.5)
+    monkeypatch.setattr(fl, "kernel_runs", lambda *a: True)
+    with pytest.warns(RuntimeWarning, match="the TileLang FP8 kernel is unavailable .*disagrees"):
+        eng, out = _run(fp8_dir, fp8_weights="keep")
+    assert not eng.runner.linear.use_kernel
+    _, want = _run(ref_dir)
+    assert [o.token_ids for o in out] == [o.token_ids for o in want]
