@@ -148,6 +148,9 @@ def bench_fp8(rows, device, iters, quick):
             t_k = timeit(lambda: fp8_gemm.fp8_gemm_tilelang(x, codes, scale, 128), device, iters)
             nbytes = n * k + scale.numel() * 4 + x.element_size() * m * (k + n)
             report(rows, "fp8_gemm", f"M={m} N={n} K={k}", t_ref, t_k, nbytes, device)
+            if device.type == "cuda" and fp8_gemm.split_for(m, n, k, device) > 1:  # the k split against none
+                t_1 = timeit(lambda: fp8_gemm.fp8_gemm_tilelang(x, codes, scale, 128, split=1), device, iters)
+                report(rows, "fp8_gemm unsplit", f"M={m} N={n} K={k}", t_ref, t_1, nbytes, device)
     e, hid, inter = (8, 256, 128) if quick else (32, 7168, 2048)
     gu, dn = fp8_gemm.ExpertStack(*fp8(e, 2 * inter, hid), 128), fp8_gemm.ExpertStack(*fp8(e, hid, inter), 128)
     gu16 = torch.stack([fp8_gemm.dequantize(gu.codes[i], gu.scale[i], 128, dt) for i in range(e)])

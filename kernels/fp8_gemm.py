@@ -105,71 +105,127 @@ def build_cpu(n: int, k: int, block_k: int, block_m: int = CPU_BLOCK_M):
 
 
 def build_gpu(n: int, k: int, block_k: int, dtype: str = "bfloat16", block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-              tile_k: int = BLOCK_K):
+              tile_k: int = BLOCK_K, split: int = 1):
     """GPU kernel: grid (column tiles, row tiles), 128 threads; the code table copied to shared memory
     once per block; per k slice the activations staged as they are and the weights decoded (table value
     times scale, rounded to dtype) into shared memory, T.gemm into an fp32 accumulator; rows past M and
-    columns past N zero-filled on load and not stored."""
+    columns past N zero-filled on load and not stored.
+
+    split > 1 (few tiles, as at decode: N / BLOCK_N blocks cannot fill the GPU): a third grid dimension
+    of `split` parts of the k slices, each block's fp32 sums written to part [split, M, N], which
+    `fp8_gemm_tilelang` adds up in part order."""
     import tilelang.language as T  # noqa: PLC0415 - optional dependency
 
     M = T.dynamic("M")
     N, K, BM, BN, TK, SB = n, k, block_m, block_n, tile_k, block_k
     KB = -(-k // block_k)
+    PER = -(-(-(-k // tile_k)) // split)  # k slices a part
+
+    @T.macro
+    def tile(x, w, scale, lut, bn, bm, z, acc):  # acc = x tile (rows bm) . w tile (columns bn), slices of part z
+        lut_s = T.alloc_shared((256,), "float32")
+        a_s = T.alloc_shared((BM, TK), dtype)
+        b_s = T.alloc_shared((BN, TK), dtype)
+        for c in T.Parallel(256):
+            lut_s[c] = lut[c]
+        T.clear(acc)
+        for ko in T.Pipelined(PER, num_stages=2):
+            for i, kk in T.Parallel(BM, TK):
+                a_s[i, kk] = T.if_then_else((bm * BM + i < M) and ((z * PER + ko) * TK + kk < K),
+                                            x[T.min(bm * BM + i, M - 1), T.min((z * PER + ko) * TK + kk, K - 1)],
+                                            T.cast(0, dtype))
+            for j, kk in T.Parallel(BN, TK):
+                a_n = T.min(bn * BN + j, N - 1)
+                a_k = T.min((z * PER + ko) * TK + kk, K - 1)
+                b_s[j, kk] = T.if_then_else((bn * BN + j < N) and ((z * PER + ko) * TK + kk < K),
+                                            T.cast(lut_s[T.cast(w[a_n, a_k], "int32")] * scale[a_n, a_k // SB], dtype),
+                                            T.cast(0, dtype))
+            T.gemm(a_s, b_s, acc, transpose_B=True)
+
+    # (the decorator traces the function as it is defined: only the variant asked for is defined)
+    if split == 1:
+        @T.prim_func
+        def fp8_gemm_gpu(
+            x: T.Tensor((M, K), dtype),
+            w: T.Tensor((N, K), "uint8"),
+            scale: T.Tensor((N, KB), "float32"),
+            lut: T.Tensor((256,), "float32"),
+            y: T.Tensor((M, N), dtype),
+        ):
+            with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=128) as (bn, bm):
+                acc = T.alloc_fragment((BM, BN), "float32")
+                tile(x, w, scale, lut, bn, bm, 0, acc)
+                for i, j in T.Parallel(BM, BN):
+                    if (bm * BM + i < M) and (bn * BN + j < N):
+                        y[bm * BM + i, bn * BN + j] = T.cast(acc[i, j], dtype)
+
+        return fp8_gemm_gpu
 
     @T.prim_func
-    def fp8_gemm_gpu(
+    def fp8_gemm_split_gpu(
         x: T.Tensor((M, K), dtype),
         w: T.Tensor((N, K), "uint8"),
         scale: T.Tensor((N, KB), "float32"),
         lut: T.Tensor((256,), "float32"),
-        y: T.Tensor((M, N), dtype),
+        part: T.Tensor((split, M, N), "float32"),
     ):
-        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=128) as (bn, bm):
-            lut_s = T.alloc_shared((256,), "float32")
-            a_s = T.alloc_shared((BM, TK), dtype)
-            b_s = T.alloc_shared((BN, TK), dtype)
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), split, threads=128) as (bn, bm, z):
             acc = T.alloc_fragment((BM, BN), "float32")
-            for c in T.Parallel(256):
-                lut_s[c] = lut[c]
-            T.clear(acc)
-            for ko in T.Pipelined(T.ceildiv(K, TK), num_stages=2):
-                for i, kk in T.Parallel(BM, TK):
-                    a_s[i, kk] = T.if_then_else((bm * BM + i < M) and (ko * TK + kk < K),
-                                                x[T.min(bm * BM + i, M - 1), T.min(ko * TK + kk, K - 1)],
-                                                T.cast(0, dtype))
-                for j, kk in T.Parallel(BN, TK):
-                    a_n = T.min(bn * BN + j, N - 1)
-                    a_k = T.min(ko * TK + kk, K - 1)
-                    b_s[j, kk] = T.if_then_else((bn * BN + j < N) and (ko * TK + kk < K),
-                                                T.cast(lut_s[T.cast(w[a_n, a_k], "int32")] * scale[a_n, a_k // SB], dtype),
-                                                T.cast(0, dtype))
-                T.gemm(a_s, b_s, acc, transpose_B=True)
+            tile(x, w, scale, lut, bn, bm, z, acc)
             for i, j in T.Parallel(BM, BN):
                 if (bm * BM + i < M) and (bn * BN + j < N):
-                    y[bm * BM + i, bn * BN + j] = T.cast(acc[i, j], dtype)
+                    part[z, bm * BM + i, bn * BN + j] = acc[i, j]
 
-    return fp8_gemm_gpu
+    return fp8_gemm_split_gpu
 
 
-def fp8_gemm_tilelang(x, w, scale, block_k: int = 128):
+_SMS: dict[int, int] = {}
+
+
+def split_for(m: int, n: int, k: int, device: torch.device) -> int:
+    """The k split of the CUDA kernel for an [m, k] x [n, k].T product: 1 where its (column, row) tiles
+    are as many as the GPU's multiprocessors; else a power of two up to 16 (and the k slices) that gives
+    about two blocks a multiprocessor. A guess from the grid's shape, not yet measured on a GPU
+    (benchmarks/kernels.py's fp8 rows time both)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(idx)
+    if sms is None:
+        sms = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    tiles = -(-n // BLOCK_N) * -(-m // BLOCK_M)
+    slices = -(-k // BLOCK_K)
+    s = 1
+    while tiles * s < sms and s * 2 <= min(16, slices):
+        s *= 2
+    return s
+
+
+def fp8_gemm_tilelang(x, w, scale, block_k: int = 128, split: int | None = None):
     """Run the TileLang kernel for the tensors' device (bf16 / fp16 on CUDA, fp32 on the CPU twin);
-    returns y [M, N]. Compiles once per (device kind, N, K, block_k, dtype); M is dynamic."""
+    returns y [M, N]. Compiles once per (device kind, N, K, block_k, dtype, split); M is dynamic.
+    split: the CUDA kernel's k split (None: split_for's choice; the parts are summed in order)."""
     check_args(x, w, scale, block_k)
     n, k = w.shape
     codes = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+    m = x.shape[0]
+    if not m:
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
     if x.is_cuda:
         tdt = _GPU_DTYPES.get(x.dtype)
         if tdt is None:  # T.gemm on fp32 operands runs TF32 on the tensor cores: not an fp32 result
             raise KernelInputError(f"the CUDA fp8_gemm takes bfloat16 or float16 activations, got {x.dtype}")
-        kern = _tilelang.compile_cached(("fp8_gemm", "cuda", n, k, block_k, tdt),
-                                        lambda: build_gpu(n, k, block_k, tdt), "cuda")
+        s = split_for(m, n, k, x.device) if split is None else split
+        kern = _tilelang.compile_cached(("fp8_gemm", "cuda", n, k, block_k, tdt, s),
+                                        lambda: build_gpu(n, k, block_k, tdt, split=s), "cuda")
+        if s > 1:
+            part = torch.empty(s, m, n, dtype=torch.float32, device=x.device)
+            kern(x.contiguous(), codes.contiguous(), scale.contiguous(), e4m3_table(x.device), part)
+            return part.sum(0).to(x.dtype)
     else:
         if x.dtype != torch.float32:
             raise KernelInputError(f"the CPU TileLang fp8_gemm supports float32 only, got {x.dtype}")
         kern = _tilelang.compile_cached(("fp8_gemm", "c", n, k, block_k), lambda: build_cpu(n, k, block_k), "c")
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    if x.shape[0]:
-        kern(x.contiguous(), codes.contiguous(), scale.contiguous(), e4m3_table(x.device), y)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    kern(x.contiguous(), codes.contiguous(), scale.contiguous(), e4m3_table(x.device), y)
     return y
 
 

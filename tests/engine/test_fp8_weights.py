@@ -160,7 +160,7 @@ def test_a_kernel_with_wrong_results_is_caught_at_install(tmp_path, monkeypatch,
     fp8_dir, ref_dir, _ = make_fp8_pair(make_moe_model(tmp_path / "src", "qwen3_moe", seed=21), tmp_path)
     good_dense, good_experts = fp8_gemm.fp8_gemm_tilelang, fp8_gemm.moe_experts
     monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a: good_dense(*a) * 1.5)
-    with pytest.raises(RuntimeError, match=r"the FP8 kernel on \[\d+, \d+\] disagrees with its torch definition"):
+    with pytest.raises(RuntimeError, match=r"the FP8 kernel on \[\d+, \d+\] at 3 rows disagrees with its torch definition"):
         Engine(str(fp8_dir), kv_cache_memory=2 << 20, fp8_weights="keep", kernels="tilelang")
     monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", good_dense)
     monkeypatch.setattr(fp8_gemm, "moe_experts", lambda x, idx, gu, dn: good_experts(x, idx.flip(1), gu, dn))

@@ -15,6 +15,7 @@ GPU_BUILDERS = {
     "grouped_gemm_gated_bf16": lambda: grouped_gemm.build_gpu(96, 256, True, "bfloat16"),
     "grouped_gemm_f32": lambda: grouped_gemm.build_gpu(256, 96, False, "float32"),
     "fp8_gemm_bf16": lambda: fp8_gemm.build_gpu(320, 300, 128, "bfloat16"),
+    "fp8_gemm_split4_bf16": lambda: fp8_gemm.build_gpu(320, 1100, 128, "bfloat16", split=4),
     "fp8_grouped_gated_bf16": lambda: grouped_gemm.build_gpu(96, 256, True, "bfloat16", fp8_block=128),
     "fp8_grouped_f16": lambda: grouped_gemm.build_gpu(256, 96, False, "float16", fp8_block=128),
 }
