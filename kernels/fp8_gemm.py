@@ -18,10 +18,12 @@ grouped_gemm.py's kernel built for these weights (fp8_block), on its tile table.
 
 Implementations: the torch reference (dequantise, then one matmul), a GPU-style TileLang kernel (grid
 (N tiles, M tiles); the table in shared memory, each BLOCK_N x BLOCK_K weight slice decoded into shared
-memory in x's dtype and multiplied by T.gemm into an fp32 accumulator) and its CPU twin (target "c",
-fp32: per (row tile, column) a serial dot product over k). A row's result never depends on the other
-rows (no split over k), so the kernels are batch-invariant. Decoding through the table (not the
-hardware's fp8 conversion) keeps one exact definition on every GPU generation and on the CPU.
+memory in x's dtype and multiplied by T.gemm into an fp32 accumulator; where those tiles are fewer than
+the GPU's multiprocessors, as at decode, a k split into parts summed in order: `split_for`) and its CPU
+twin (target "c", fp32: per (row tile, column) a serial dot product over k). Unsplit, a row's result
+never depends on the other rows; the split depends on M, so the engine's batch-invariant mode does not
+use these kernels (fp8_linear.py). Decoding through the table (not the hardware's fp8 conversion) keeps
+one exact definition on every GPU generation and on the CPU.
 """
 
 # No "from __future__ import annotations": TileLang evaluates the kernel signatures at build time.
