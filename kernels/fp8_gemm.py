@@ -186,19 +186,30 @@ _SMS: dict[int, int] = {}
 
 def split_for(m: int, n: int, k: int, device: torch.device) -> int:
     """The k split of the CUDA kernel for an [m, k] x [n, k].T product: 1 where its (column, row) tiles
-    are as many as the GPU's multiprocessors; else a power of two up to 16 (and the k slices) that gives
-    about two blocks a multiprocessor. A guess from the grid's shape, not yet measured on a GPU
-    (benchmarks/kernels.py's fp8 rows time both)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SMS.get(idx)
-    if sms is None:
-        sms = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    tiles = -(-n // BLOCK_N) * -(-m // BLOCK_M)
-    slices = -(-k // BLOCK_K)
+    are as many as the GPU's multiprocessors; else `decode_split(n, k)`, the same for every such m, so a
+    shape has two variants at most (fp8_linear.check_kernel compiles both at install). A guess from the
+    grid's shape, not yet measured on a GPU (benchmarks/kernels.py's fp8 rows time both)."""
+    if -(-n // BLOCK_N) * -(-m // BLOCK_M) >= _sm_count(device):
+        return 1
+    return decode_split(n, k, device)
+
+
+def decode_split(n: int, k: int, device: torch.device) -> int:
+    """The split of a one-row-tile product: a power of two up to 16 (and the k slices) that gives the
+    column tiles about one block a multiprocessor, or more."""
+    tiles, slices, sms = -(-n // BLOCK_N), -(-k // BLOCK_K), _sm_count(device)
     s = 1
     while tiles * s < sms and s * 2 <= min(16, slices):
         s *= 2
     return s
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(idx)
+    if sms is None:
+        sms = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return sms
 
 
 def fp8_gemm_tilelang(x, w, scale, block_k: int = 128, split: int | None = None):

@@ -94,17 +94,20 @@ def check_result(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def check_kernel(f: Fp8Weight, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile the FP8 kernel for f's shape (now, never on the step path) and check its result on 3 and
-    on 130 random rows (on CUDA a decode's k split, and a prefill's) against the dequantised matmul;
-    raises on a compile failure or a wrong result."""
+    """Compile the FP8 kernel for f's shape now (never on the step path: on CUDA both its variants, with
+    and without the decode k split) and check each on 3 and 130 random rows against the dequantised
+    matmul; raises on a compile failure or a wrong result."""
     from deepinfer_kernels import fp8_gemm
 
     g = torch.Generator().manual_seed(0)
     w = f.dequantize(dtype)
-    for m in (3, 130):
-        x = torch.randn(m, f.shape[1], generator=g).to(device, dtype)
-        check_result(fp8_gemm.fp8_gemm_tilelang(x, f.codes, f.scale, f.block_k), torch.nn.functional.linear(x, w),
-                     f"the FP8 kernel on {list(f.shape)} at {m} rows")
+    splits = sorted({1, fp8_gemm.decode_split(*f.shape, device)}) if device.type == "cuda" else [None]
+    for split in splits:
+        for m in (3, 130):
+            x = torch.randn(m, f.shape[1], generator=g).to(device, dtype)
+            check_result(fp8_gemm.fp8_gemm_tilelang(x, f.codes, f.scale, f.block_k, split=split),
+                         torch.nn.functional.linear(x, w),
+                         f"the FP8 kernel on {list(f.shape)} at {m} rows" + (f", k split {split}" if split else ""))
 
 
 def install_fp8(model, base, device: torch.device, dtype: torch.dtype, kernels: str, invariant: bool) -> Fp8Linear | None:

@@ -159,7 +159,7 @@ def test_a_kernel_with_wrong_results_is_caught_at_install(tmp_path, monkeypatch,
 
     fp8_dir, ref_dir, _ = make_fp8_pair(make_moe_model(tmp_path / "src", "qwen3_moe", seed=21), tmp_path)
     good_dense, good_experts = fp8_gemm.fp8_gemm_tilelang, fp8_gemm.moe_experts
-    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a: good_dense(*a) * 1.5)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a, **k: good_dense(*a, **k) * 1.5)
     with pytest.raises(RuntimeError, match=r"the FP8 kernel on \[\d+, \d+\] at 3 rows disagrees with its torch definition"):
         Engine(str(fp8_dir), kv_cache_memory=2 << 20, fp8_weights="keep", kernels="tilelang")
     monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", good_dense)
@@ -168,7 +168,7 @@ def test_a_kernel_with_wrong_results_is_caught_at_install(tmp_path, monkeypatch,
         Engine(str(fp8_dir), kv_cache_memory=2 << 20, fp8_weights="keep", kernels="tilelang")
     # "auto" where the kernel would run (forced here on CPU): a warning, and outputs still right
     monkeypatch.setattr(fp8_gemm, "moe_experts", good_experts)
-    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a: good_dense(*a) * 1.5)
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a, **k: good_dense(*a, **k) * 1.5)
     monkeypatch.setattr(fl, "kernel_runs", lambda *a: True)
     with pytest.warns(RuntimeWarning, match="the TileLang FP8 kernel is unavailable .*disagrees"):
         eng, out = _run(fp8_dir, fp8_weights="keep")
