@@ -150,3 +150,19 @@ def test_gpu_bf16_engine_keeps_fp8_and_runs_the_kernels(cuda_device, tilelang_av
     for x, y in zip(a, b):
         assert x.token_ids[0] == y.token_ids[0]
         assert abs(x.logprobs[0].logprob - y.logprobs[0].logprob) < 0.05
+
+
+def test_k_split_policy_fills_the_gpu_with_two_variants_a_shape_at_most(monkeypatch):
+    """split_for (CUDA): no split once the (column, row) tiles reach the multiprocessors; below that the
+    shape's one decode split, a power of two up to 16 and the k slices. Checked with a stated SM count
+    (132, an H200's), no GPU needed."""
+    monkeypatch.setitem(F8._SMS, 0, 132)
+    dev = torch.device("cuda", 0)
+    assert F8.decode_split(1536, 7168, dev) == 8  # 24 column tiles: 8 parts give 192 blocks
+    assert F8.decode_split(7168, 2048, dev) == 2  # 112 tiles: 2 parts
+    assert F8.decode_split(36864, 7168, dev) == 1  # 576 tiles fill it alone
+    assert F8.decode_split(64, 128, dev) == 2  # two k slices: two parts at most
+    for n, k in ((1536, 7168), (7168, 2048), (576, 7168), (64, 128)):
+        seen = {F8.split_for(m, n, k, dev) for m in (1, 3, 64, 65, 130, 300, 1000, 5000, 20000)}
+        assert seen <= {1, F8.decode_split(n, k, dev)}
+        assert F8.split_for(20000, n, k, dev) == 1  # 313+ row tiles
