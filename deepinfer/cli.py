@@ -60,6 +60,11 @@ def _add_job_args(run: argparse.ArgumentParser) -> None:
                                         "GGUF) and 'bfloat16' (bf16 dot products) are the fast, approximate modes)")
     run.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default=None,
                      help="KV cache element type (default auto: bf16 on CPU in the quantized and bfloat16 modes)")
+    run.add_argument("--fp8-weights", choices=["auto", "keep", "dequantize"], default=None,
+                     help="a block-FP8 checkpoint (DeepSeek-V3's): 'auto' (default) keeps its projections FP8 where "
+                          "the FP8 kernels run (CUDA, bf16 / fp16) and dequantises them at load elsewhere; 'keep' "
+                          "keeps them FP8 everywhere (a quarter of fp32's bytes, dequantised per call without the "
+                          "kernels: slower)")
     run.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None,
                      help="speculative decoding (exact: same output): 'ngram' drafts from the record's own text, "
                           "'draft' from the model's own first layers (or --draft-model), 'mtp' from the checkpoint's "
@@ -90,7 +95,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options = {}
     if args.kv_cache_memory is not None:
         options["kv_cache_memory"] = args.kv_cache_memory << 20
-    for name in ("dtype", "kv_cache_dtype", "speculative"):
+    for name in ("dtype", "kv_cache_dtype", "fp8_weights", "speculative"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.draft_model is not None:

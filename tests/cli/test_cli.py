@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -128,3 +130,27 @@ def test_precision_and_kv_cache_type_reach_the_engine(tmp_path):
     r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "x.jsonl"),
             "--kv-cache-dtype", "fp8")
     assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr
+
+
+def test_fp8_weights_reach_the_engine(tmp_path):
+    pytest.importorskip("transformers")
+    from fp8_factory import fp8_checkpoint
+    from model_factory import make_tiny_model
+
+    model = tmp_path / "fp8"
+    fp8_checkpoint(make_tiny_model(tmp_path / "src", "llama"), model)
+    write_records(tmp_path / "in.jsonl", 2)
+    seen = {}
+    for name, extra in (("keep", ("--fp8-weights", "keep")), ("default", ())):
+        r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"{name}.jsonl"),
+                "--model", str(model), "--ordered", "--temperature", "0", "--max-tokens", "3", "--kv-cache-memory", "8",
+                *extra)
+        assert r.returncode == 0, r.stderr
+        seen[name] = (next(line for line in r.stderr.splitlines() if "precision" in line),
+                      results(tmp_path / f"{name}.jsonl"))
+    assert "precision float32+fp8-weights" in seen["keep"][0]
+    assert "precision float32," in seen["default"][0]  # CPU auto: dequantised at load
+    assert seen["keep"][1] == seen["default"][1] and len(seen["keep"][1]) == 2
+    r = cli(f"{PROGS}:echo", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "x.jsonl"),
+            "--fp8-weights", "e4m3")
+    assert r.returncode == 2 and "--fp8-weights" in r.stderr
