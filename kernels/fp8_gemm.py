@@ -65,10 +65,17 @@ def check_args(x, w, scale, block_k: int) -> None:
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block_k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[N, K] in `dtype`: every code's value times its row's scale for its column block (in fp32, then
-    rounded once to dtype)."""
+    rounded once to dtype). Where K is whole blocks the scales broadcast over a [N, K / block_k, block_k]
+    view of the fp32 codes, multiplied in place: no [N, K] scale tensor (engine/fp8_linear.py runs this
+    per call where no kernel serves it)."""
     codes = w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w
-    s = scale.repeat_interleave(block_k, 1)[:, : w.shape[1]]
-    return (codes.float() * s).to(dtype)
+    n, k = codes.shape
+    out = codes.float()
+    if k % block_k == 0:
+        out.view(n, k // block_k, block_k).mul_(scale.unsqueeze(2))
+    else:
+        out.mul_(scale.repeat_interleave(block_k, 1)[:, :k])
+    return out.to(dtype)
 
 
 def fp8_gemm_reference(x, w, scale, block_k: int = 128):
@@ -311,11 +318,3 @@ def moe_experts(x, idx, gate_up: ExpertStack, down: ExpertStack):
     from .grouped_gemm import moe_experts as chain
 
     return chain(x, idx, gate_up, down, gemm=grouped_gemm)
-
-
-def warmup_experts(gate_up: ExpertStack, down: ExpertStack, dtype: torch.dtype) -> None:
-    """Compile both GEMMs of `moe_experts` for these stacks' device, shapes and the activations' dtype."""
-    dev = gate_up.codes.device
-    e4m3_table(dev)  # made now: a first use inside a CUDA graph capture could not copy it to the device
-    for w, gated in ((gate_up, True), (down, False)):
-        _grouped_kernel(w.shape[1] // 2 if gated else w.shape[1], w.shape[2], gated, w.block_k, dtype, dev)

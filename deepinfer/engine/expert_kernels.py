@@ -159,12 +159,12 @@ class Fp8TileLangExperts(nn.Module):
 
         self._kernel = fp8_gemm.moe_experts
         self.gate_up, self.down = gate_up, down  # fp8_gemm.ExpertStack; the linear's entries are views of them
-        fp8_gemm.warmup_experts(gate_up, down, dtype)  # compile both GEMMs now, never on the step path
-        self._check(dtype)
+        self._check(dtype)  # (compiles both GEMMs now, never on the step path)
 
     def _check(self, dtype: torch.dtype) -> None:
-        """Four random tokens through the kernel against the torch definition (each used expert's weights
-        dequantised, grouped_gemm's reference); raises RuntimeError on a wrong result."""
+        """Four random tokens through the kernel (compiling its two GEMMs) against the torch definition
+        (each used expert's weights dequantised, grouped_gemm's reference); raises RuntimeError on a
+        wrong result."""
         from deepinfer.engine.fp8_linear import check_result
         from deepinfer_kernels import fp8_gemm, grouped_gemm
 
@@ -212,28 +212,37 @@ def install_fp8_experts(model: nn.Module, device: torch.device, dtype: torch.dty
     under "auto" and raises under "tilelang"."""
     from deepinfer.engine.fp8_linear import kernel_runs
     from deepinfer.engine.models.moe import MoeBlock
-    from deepinfer_kernels import _tilelang
 
     table = getattr(model, "fp8_weights", {})
-    cpu_twin = device.type == "cpu" and dtype == torch.float32 and kernels == "tilelang" and _tilelang.available()
-    if not table or not (kernel_runs(device, dtype, kernels) or cpu_twin):
+    if not table or not kernel_runs(device, dtype, kernels, cpu_twin=True):
         return 0
+
+    def make(b):
+        stacks = _stack_fp8(b, table)
+        return Fp8TileLangExperts(*stacks, dtype) if stacks is not None else None
+
+    blocks = [m for m in model.modules() if isinstance(m, MoeBlock) and len(m.expert_gate_up)]
+    return _install(blocks, make, kernels, "grouped FP8 expert GEMM", "run one at a time through the FP8 linear")
+
+
+def _install(blocks: list, make, kernels: str, what: str, instead: str) -> int:
+    """Install make(block) (None: leave that block) in every block; returns how many took one. A failure
+    (a compile, an install check) raises under kernels="tilelang"; otherwise every block keeps its
+    per-expert path, with a warning naming `what` failed and what its experts do `instead`."""
     n = 0
     try:
-        for b in model.modules():
-            if isinstance(b, MoeBlock) and len(b.expert_gate_up):
-                stacks = _stack_fp8(b, table)
-                if stacks is not None:
-                    b.set_expert_kernel(Fp8TileLangExperts(*stacks, dtype))
-                    n += 1
-    except Exception as e:  # noqa: BLE001 - a compile failure or a wrong result means "keep the per-expert path"
+        for b in blocks:
+            kernel = make(b)
+            if kernel is not None:
+                b.set_expert_kernel(kernel)
+                n += 1
+    except Exception as e:  # noqa: BLE001 - a failure means "keep the per-expert path"
         if kernels == "tilelang":
             raise
-        for b in model.modules():
-            if isinstance(b, MoeBlock):
-                b.set_expert_kernel(None)
-        warnings.warn(f"the TileLang grouped FP8 expert GEMM is unavailable ({type(e).__name__}: {e}); MoE experts "
-                      "run one at a time through the FP8 linear", RuntimeWarning, stacklevel=2)
+        for b in blocks:
+            b.set_expert_kernel(None)
+        warnings.warn(f"the TileLang {what} is unavailable ({type(e).__name__}: {e}); MoE experts {instead}",
+                      RuntimeWarning, stacklevel=3)
         return 0
     return n
 
@@ -286,18 +295,8 @@ def install_expert_kernels(model: nn.Module, device: torch.device, dtype: torch.
         warnings.warn("kernels='tilelang' on an fp32 MoE model: the grouped expert GEMM multiplies as TF32 on the "
                       "tensor cores (logprobs ~1e-3 from fp32); kernels='auto' keeps fp32 GEMMs", RuntimeWarning,
                       stacklevel=2)
-    try:
-        for b in blocks:
-            b.set_expert_kernel(TileLangExperts(*_stack_in_place(b)))
-    except Exception as e:  # noqa: BLE001 - a compile failure means "keep the per-expert GEMMs"
-        if kernels == "tilelang":
-            raise
-        for b in blocks:
-            b.set_expert_kernel(None)
-        warnings.warn(f"the TileLang grouped expert GEMM is unavailable ({type(e).__name__}: {e}); MoE experts "
-                      "run as per-expert GEMMs", RuntimeWarning, stacklevel=2)
-        return 0
-    return len(blocks)
+    return _install(blocks, lambda b: TileLangExperts(*_stack_in_place(b)), kernels, "grouped expert GEMM",
+                    "run as per-expert GEMMs")
 
 
 def native_experts_available() -> bool:

@@ -44,11 +44,15 @@ def kept_projection(name: str) -> bool:
     return _KEPT.search(name) is not None
 
 
-def kernel_runs(device: torch.device, dtype: torch.dtype, kernels: str) -> bool:
-    """Whether the TileLang FP8 kernel serves this device and activation dtype: CUDA, bf16 / fp16 (its
-    T.gemm on fp32 operands would be TF32), TileLang importable, kernels not "torch"."""
+def kernel_runs(device: torch.device, dtype: torch.dtype, kernels: str, cpu_twin: bool = False) -> bool:
+    """Whether the TileLang FP8 kernels serve this device and activation dtype: CUDA, bf16 / fp16 (their
+    T.gemm on fp32 operands would be TF32), TileLang importable, kernels not "torch". cpu_twin: also
+    their CPU twins, at fp32 when asked for by name (kernels="tilelang": tests; slow), which is what the
+    installers run there; "auto" does not keep FP8 for them (precision.keep_fp8)."""
     from deepinfer_kernels import _tilelang
 
+    if cpu_twin and device.type == "cpu" and dtype == torch.float32 and kernels == "tilelang":
+        return True  # (TileLang missing: the install fails, and kernels="tilelang" raises)
     return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and kernels != "torch"
             and _tilelang.available())
 
@@ -121,9 +125,7 @@ def install_fp8(model, base, device: torch.device, dtype: torch.dtype, kernels: 
     left = [tuple(p.shape) for p in model.parameters() if is_placeholder(p.data) and p.data.data_ptr() not in table]
     if left:
         raise ModelLoadError(f"weights of shapes {left[:3]} are placeholders with no FP8 weight behind them")
-    use_kernel = not invariant and kernel_runs(device, dtype, kernels)
-    if kernels == "tilelang" and not use_kernel and device.type == "cpu" and dtype == torch.float32 and not invariant:
-        use_kernel = True  # the kernel's CPU twin, asked for by name (tests; slow)
+    use_kernel = not invariant and kernel_runs(device, dtype, kernels, cpu_twin=True)
     if use_kernel:
         try:
             for f in {(w.shape, w.block_k): w for w in table.values()}.values():

@@ -169,7 +169,7 @@ def test_a_kernel_with_wrong_results_is_caught_at_install(tmp_path, monkeypatch,
     # "auto" where the kernel would run (forced here on CPU): a warning, and outputs still right
     monkeypatch.setattr(fp8_gemm, "moe_experts", good_experts)
     monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", lambda *a, **k: good_dense(*a, **k) * 1.5)
-    monkeypatch.setattr(fl, "kernel_runs", lambda *a: True)
+    monkeypatch.setattr(fl, "kernel_runs", lambda *a, **k: True)
     with pytest.warns(RuntimeWarning, match="the TileLang FP8 kernel is unavailable .*disagrees"):
         eng, out = _run(fp8_dir, fp8_weights="keep")
     assert not eng.runner.linear.use_kernel

@@ -91,16 +91,11 @@ class Fp8Weight:
         return Fp8Weight(self.codes.to(device), self.scale.to(device), self.block_k)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in dtype: codes times scales in fp32 (dequantize_block's values), rounded once to dtype.
-        Where K is whole blocks the scales broadcast over a [N, K / block_k, block_k] view of the fp32
-        codes, multiplied in place: no [N, K] scale tensor (the per-call path of fp8_linear.py)."""
-        n, k = self.codes.shape
-        w = self.codes.float()
-        if k % self.block_k == 0:
-            w.view(n, k // self.block_k, self.block_k).mul_(self.scale.unsqueeze(2))
-        else:
-            w.mul_(self.scale.repeat_interleave(self.block_k, 1)[:, :k])
-        return w.to(dtype)
+        """[N, K] in dtype: codes times scales in fp32 (dequantize_block's values), rounded once to dtype:
+        the FP8 kernels' definition (deepinfer_kernels.fp8_gemm.dequantize)."""
+        from deepinfer_kernels import fp8_gemm
+
+        return fp8_gemm.dequantize(self.codes, self.scale, self.block_k, dtype)
 
     @staticmethod
     def from_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight") -> "Fp8Weight":
