@@ -62,9 +62,12 @@ class Fp8Linear:
     FP8 GEMM, any other weight through `base`, the linear the runner chose for the rest."""
 
     def __init__(self, table: dict[int, Fp8Weight], base, use_kernel: bool):
+        from deepinfer_kernels import fp8_gemm
+
         self.table = table
         self.base = base
         self.use_kernel = use_kernel
+        self._gemm = fp8_gemm.fp8_gemm_tilelang  # (bound once: not an import on every call)
         self.silu_mul = None  # gated MLPs run linear, then silu * mul
 
     @property
@@ -76,9 +79,7 @@ class Fp8Linear:
         if f is None:
             return self.base(x, w, b)
         if self.use_kernel:
-            from deepinfer_kernels import fp8_gemm
-
-            y = fp8_gemm.fp8_gemm_tilelang(x.reshape(-1, x.shape[-1]), f.codes, f.scale, f.block_k)
+            y = self._gemm(x.reshape(-1, x.shape[-1]), f.codes, f.scale, f.block_k)
             y = y.view(*x.shape[:-1], y.shape[-1])
             return y + b if b is not None else y
         return self.base(x, f.dequantize(x.dtype), b)
