@@ -175,3 +175,11 @@ def test_a_kernel_with_wrong_results_is_caught_at_install(tmp_path, monkeypatch,
     assert not eng.runner.linear.use_kernel
     _, want = _run(ref_dir)
     assert [o.token_ids for o in out] == [o.token_ids for o in want]
+    # and a wrong grouped kernel under "auto": a warning, every block on the per-expert path, outputs right
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm_tilelang", good_dense)
+    monkeypatch.setattr(fp8_gemm, "moe_experts", lambda x, idx, gu, dn: good_experts(x, idx.flip(1), gu, dn))
+    with pytest.warns(RuntimeWarning, match="the TileLang grouped FP8 expert GEMM is unavailable .*disagrees"):
+        eng, out = _run(fp8_dir, fp8_weights="keep")
+    assert eng.runner.expert_kernel_blocks == 0 and eng.runner.linear.use_kernel
+    assert all(m.expert_kernel is None for m in eng.runner.model.modules() if isinstance(m, MoeBlock))
+    assert [o.token_ids for o in out] == [o.token_ids for o in want]
