@@ -142,12 +142,17 @@ def bench_fp8(rows, device, iters, quick):
     for n, k in shapes:
         codes, scale = fp8(n, k)
         w16 = fp8_gemm.dequantize(codes, scale, 128, dt)
-        for m in (1, 16, 128) if quick else (1, 16, 128, 1024):
+        for m in (1, 16, 128) if quick else (1, 16, 128, 256, 512, 1024):
             x = torch.randn(m, k, device=device).to(dt)
             t_ref = timeit(lambda: F.linear(x, w16), device, iters)
             t_k = timeit(lambda: fp8_gemm.fp8_gemm_tilelang(x, codes, scale, 128), device, iters)
             nbytes = n * k + scale.numel() * 4 + x.element_size() * m * (k + n)
             report(rows, "fp8_gemm", f"M={m} N={n} K={k}", t_ref, t_k, nbytes, device)
+            # the other way to run a kept weight (fp8_linear.Fp8Linear from KERNEL_MAX_ROWS rows):
+            # dequantise it for the call, then torch's GEMM
+            t_d = timeit(lambda: F.linear(x, fp8_gemm.dequantize(codes, scale, 128, dt)), device, iters)
+            report(rows, "fp8 dequantise + torch", f"M={m} N={n} K={k}", t_ref, t_d, nbytes, device,
+                   impl="dequantised+torch")
             if device.type == "cuda" and fp8_gemm.split_for(m, n, k, device) > 1:  # the k split against none
                 t_1 = timeit(lambda: fp8_gemm.fp8_gemm_tilelang(x, codes, scale, 128, split=1), device, iters)
                 report(rows, "fp8_gemm unsplit", f"M={m} N={n} K={k}", t_ref, t_1, nbytes, device)

@@ -18,7 +18,9 @@ fp32, rounded to the activations' dtype, then the GEMM with fp32 accumulation. T
 the ones the load-time dequantisation gives, so only the GEMM's summation order differs from running
 the dequantised checkpoint. It runs:
 - on CUDA with bf16 / fp16 activations and TileLang: the W8A16 TileLang kernel (weights decoded in
-  shared memory; HBM reads a byte per weight instead of bf16's two);
+  shared memory; HBM reads a byte per weight instead of bf16's two) for fewer than KERNEL_MAX_ROWS rows,
+  as at decode; from there the weight dequantised for the call, then the runner's linear (cuBLAS is
+  faster than the kernel there, dequantisation included: measured figures at KERNEL_MAX_ROWS);
 - elsewhere (fp32 activations, no TileLang, kernels="torch", the batch-invariant mode): the weight
   dequantised for the call, then the runner's own linear (F.linear, or the invariant tiled GEMM) on it.
   That trades time for the kept bytes; it is what Engine(fp8_weights="keep") runs on CPU.
@@ -57,9 +59,18 @@ def kernel_runs(device: torch.device, dtype: torch.dtype, kernels: str, cpu_twin
             and _tilelang.available())
 
 
+# From this many rows (a prefill chunk, a large batch) a kept weight is dequantised for the call and run
+# through `base` (cuBLAS on CUDA) instead of the W8A16 kernel. Measured on an H200 (benchmarks/kernels.py
+# fp8 rows, DeepSeek-V3's 7168 x 2048 and 4096 x 7168): the kernel 0.07-0.09 ms at 1-16 rows against
+# 0.14-0.25 ms for dequantise + cuBLAS, even at 256 rows (0.15 / 0.30 against 0.14 / 0.26 ms), and from
+# there the kernel falls behind (1024 rows: 0.48 / 1.08 against 0.18 / 0.31 ms).
+KERNEL_MAX_ROWS = 256
+
+
 class Fp8Linear:
     """linear(x, w, b) for the runner: kept FP8 weights (found by their placeholder's address) through the
-    FP8 GEMM, any other weight through `base`, the linear the runner chose for the rest."""
+    FP8 GEMM below KERNEL_MAX_ROWS rows (else dequantised for the call), any other weight through `base`,
+    the linear the runner chose for the rest."""
 
     def __init__(self, table: dict[int, Fp8Weight], base, use_kernel: bool):
         from deepinfer_kernels import fp8_gemm
@@ -78,7 +89,7 @@ class Fp8Linear:
         f = self.table.get(w.data_ptr())
         if f is None:
             return self.base(x, w, b)
-        if self.use_kernel:
+        if self.use_kernel and x.numel() < KERNEL_MAX_ROWS * x.shape[-1]:
             y = self._gemm(x.reshape(-1, x.shape[-1]), f.codes, f.scale, f.block_k)
             y = y.view(*x.shape[:-1], y.shape[-1])
             return y + b if b is not None else y

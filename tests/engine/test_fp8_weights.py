@@ -183,3 +183,44 @@ def test_a_kernel_with_wrong_results_is_caught_at_install(tmp_path, monkeypatch,
     assert eng.runner.expert_kernel_blocks == 0 and eng.runner.linear.use_kernel
     assert all(m.expert_kernel is None for m in eng.runner.model.modules() if isinstance(m, MoeBlock))
     assert [o.token_ids for o in out] == [o.token_ids for o in want]
+
+
+def test_many_rows_go_through_the_dequantised_weight_not_the_kernel():
+    """Fp8Linear runs the W8A16 kernel below KERNEL_MAX_ROWS rows (decode) and from there dequantises the
+    weight for the call into the base linear (prefill chunks: cuBLAS is faster there on an H200); both
+    give the dequantised weight's product. Kernel and base stand in here as recorders."""
+    import torch
+
+    import deepinfer.engine.fp8_linear as fl
+    from deepinfer.engine.loader.fp8_blocks import Fp8Weight
+    from deepinfer_kernels import fp8_gemm
+    from fp8_factory import quantize
+
+    g = torch.Generator().manual_seed(0)
+    codes, scale_inv = quantize(torch.randn(24, 40, generator=g), (16, 16))
+    f = Fp8Weight.from_blocks(codes, scale_inv, (16, 16))
+    placeholder = torch.empty(24, 40)
+    calls = []
+
+    def kernel(x, c, s, bk):
+        calls.append(("kernel", x.shape[0]))
+        return fp8_gemm.fp8_gemm_reference(x, c, s, bk)
+
+    def base(x, w, b=None):
+        calls.append(("base", x.shape[:-1], w.data_ptr() == placeholder.data_ptr()))
+        return torch.nn.functional.linear(x, w, b)
+
+    lin = fl.Fp8Linear({placeholder.data_ptr(): f}, base, use_kernel=True)
+    lin._gemm = kernel
+    n = fl.KERNEL_MAX_ROWS
+    for shape in ((n - 1, 40), (n, 40), (2, n // 2, 40), (1, 40)):
+        x = torch.randn(*shape, generator=g)
+        calls.clear()
+        y = lin(x, placeholder)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, f.dequantize()), rtol=1e-5, atol=1e-5)
+        rows = x.numel() // 40
+        assert calls == ([("kernel", rows)] if rows < n else [("base", x.shape[:-1], False)])
+    other = torch.randn(8, 40)  # not a kept weight: the base linear, as it is
+    calls.clear()
+    lin(torch.randn(3, 40), other)
+    assert calls == [("base", (3,), False)]

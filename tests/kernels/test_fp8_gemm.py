@@ -99,6 +99,15 @@ def test_entries_check_their_inputs():
         F8.grouped_tilelang(x, gcodes[:, :7], gscale[:, :7], 16, *tiles, gated=True)
 
 
+def _close(got, want, rel):
+    """Equal within `rel` of want's largest magnitude. The sums here reach ~1e3 and are rounded to bf16 /
+    fp16; where the summation order differs from the reference's, a rounding of the gated intermediate
+    can move by one unit in the last place, and the down GEMM carries that into every output, so an
+    output near zero can be far off in relative terms (seen on an H200: 0.17 on an output of 2.2 among
+    outputs up to ~7e3; emulated on CPU, fp32 against fp64 sums: 7e-4 of the largest output at most)."""
+    torch.testing.assert_close(got.float(), want.float(), atol=rel * want.float().abs().max().item(), rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_kernels_match_reference(cuda_device, tilelang_available, dtype):
@@ -108,21 +117,21 @@ def test_gpu_kernels_match_reference(cuda_device, tilelang_available, dtype):
     dev = [t.to(cuda_device) for t in (x, codes, scale)]
     y = F8.fp8_gemm_tilelang(*dev, bk)
     ref = F8.fp8_gemm_reference(x.float(), codes, scale, bk)  # fp32 weights: the bf16 rounding is within tolerance
-    torch.testing.assert_close(y.float().cpu(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
-    torch.testing.assert_close(y, F8.fp8_gemm_reference(*dev, bk), atol=2e-2, rtol=2e-2)  # vs cuBLAS on the same weights
+    _close(y.cpu(), ref, 0.02)
+    _close(y, F8.fp8_gemm_reference(*dev, bk), 5e-3)  # vs cuBLAS on the same weights
     for split in (1, 2, 4):  # the k split (split_for's choice above) changes only the summation order
-        torch.testing.assert_close(F8.fp8_gemm_tilelang(*dev, bk, split=split), y, atol=2e-2, rtol=2e-2)
+        _close(F8.fp8_gemm_tilelang(*dev, bk, split=split), y, 5e-3)
     one = F8.fp8_gemm_tilelang(dev[0][5:6], *dev[1:], bk, split=1)
     assert torch.equal(one[0], F8.fp8_gemm_tilelang(*dev, bk, split=1)[5])  # unsplit: a row alone is the row in the batch
     E, H, I, T, k = 16, 256, 96, 70, 4
     gu, dn = _weights((E, 2 * I, H), bk, 2), _weights((E, H, I), bk, 3)
-    xs = torch.randn(T, H).to(cuda_device, dtype)
-    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(cuda_device)
+    g = torch.Generator().manual_seed(4)
+    xs = torch.randn(T, H, generator=g).to(cuda_device, dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(cuda_device)
     stacks = [F8.ExpertStack(c.to(cuda_device), s.to(cuda_device), bk) for c, s in (gu, dn)]
     out = F8.moe_experts(xs, idx, *stacks)
     deq = [torch.stack([F8.dequantize(c[e], s[e], bk, dtype) for e in range(E)]).to(cuda_device) for c, s in (gu, dn)]
-    ref = G.moe_experts(xs, idx, *deq, gemm=G.grouped_gemm_reference)
-    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    _close(out, G.moe_experts(xs, idx, *deq, gemm=G.grouped_gemm_reference), 2e-3)
     one = F8.moe_experts(xs[5:6], idx[5:6], *stacks)
     assert torch.equal(one[0], out[5])
 
