@@ -4,12 +4,5 @@
 # Arguments go to gpu_engine_check.py (--skip N ... to leave sections out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/dk_tilelang_cache
-SITE=/tmp/dk_site
-mkdir -p "$SITE"
-ln -sfn "$PWD/kernels" "$SITE/deepinfer_kernels"
-shopt -s nullglob
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
-for t in .whl/*.tar.xz; do tar -xJf "$t" -C "$SITE" || exit 1; done
-export PYTHONPATH="$SITE:$PWD"
+source scripts/gpu_site.sh || exit 1
 python3 scripts/gpu_engine_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/engine_check.log"

@@ -17,14 +17,7 @@ want() { [[ "$PARTS" == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-gpu_check_out}
 mkdir -p "$OUTDIR"
-export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/dk_tilelang_cache
-SITE=/tmp/dk_site
-mkdir -p "$SITE"
-ln -sfn "$PWD/kernels" "$SITE/deepinfer_kernels"
-shopt -s nullglob
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
-for t in .whl/*.tar.xz; do tar -xJf "$t" -C "$SITE" || exit 1; done
-export PYTHONPATH="$SITE:$PWD"
+source scripts/gpu_site.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__)" || exit 1
 
