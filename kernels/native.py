@@ -26,6 +26,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,8 @@ def load() -> ctypes.CDLL | None:
         lib.di_silu_mul_f32.restype = ctypes.c_int
         lib.di_argmax_rows_f32.argtypes = [fp, i64, i64, i64, fp]
         lib.di_argmax_rows_f32.restype = ctypes.c_int
+        lib.di_fma_peak_f32.argtypes = [i64, fp]
+        lib.di_fma_peak_f32.restype = i64
         _lib = lib
         return _lib
 
@@ -588,3 +591,35 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     if m and inter:
         lib.di_silu_mul_f32(gu.data_ptr(), gu.stride(0), m, inter, out.data_ptr())
     return out
+
+
+def fma_peak(seconds: float = 0.2, repeats: int = 3) -> float:
+    """This CPU's fp32 multiply-add peak in GFLOP/s on torch's threads (csrc/fma_peak.c: register-only
+    FMA chains, the best of `repeats` runs of about `seconds` each): the ceiling any fp32 kernel here
+    runs under. benchmarks/moe.py sets model-FLOP rates against it."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("deepinfer_kernels.native is not available (no C compiler or build failed)")
+    if not seconds > 0 or repeats < 1:
+        raise KernelInputError(f"fma_peak: seconds must be > 0 and repeats >= 1, got {seconds}, {repeats}")
+    total = ctypes.c_double()
+
+    def run(iters: int) -> float:
+        t = time.perf_counter()
+        flops = lib.di_fma_peak_f32(iters, ctypes.byref(total))
+        dt = time.perf_counter() - t
+        # every chain converges to 2 (csrc/fma_peak.c): 2 x 16 lanes x 12 chains per thread
+        threads = flops // (2 * 16 * 12 * iters)
+        if total.value != 2.0 * 16 * 12 * threads:
+            raise RuntimeError(f"fma_peak: the FMA loop's checksum is {total.value}, expected {2.0 * 16 * 12 * threads}")
+        return flops / max(dt, 1e-9) / 1e9
+
+    iters = 1 << 16
+    while True:  # calibrate: double until a run takes a tenth of the target
+        t = time.perf_counter()
+        run(iters)
+        if time.perf_counter() - t > seconds / 10 or iters >= 1 << 40:
+            break
+        iters *= 2
+    iters = max(int(iters * seconds / max(time.perf_counter() - t, 1e-9)), 64)
+    return max(run(iters) for _ in range(repeats))

@@ -407,3 +407,12 @@ def test_argmax_rows_reads_strided_rows_and_rejects_bad_inputs():
         native.argmax_rows(base.t())  # columns not dense
     with pytest.raises(KernelInputError):
         native.argmax_rows(torch.empty(3, 0))
+
+
+def test_fma_peak_runs_its_chains_and_rejects_bad_inputs():
+    # the wrapper checks the loop's checksum (every chain converges to 2) before it reports a rate
+    rate = native.fma_peak(seconds=0.01, repeats=1)
+    assert rate > 0 and rate == rate and rate != float("inf")
+    for bad in (dict(seconds=0), dict(seconds=-1.0), dict(seconds=float("nan")), dict(repeats=0)):
+        with pytest.raises(KernelInputError, match="fma_peak"):
+            native.fma_peak(**bad)
