@@ -45,10 +45,10 @@ Qwen3 4.25 / 4.77 / 4.69 / 2.51x and 4.25 / 4.50 / 4.66 / 2.99x.
 The fp32 FMA peak (`native.fma_peak`: register-only FMA chains on the same threads, measured in the
 same run) shows how far any kernel could go: 2026-12-04, the dense GEMM ran at 95-96% of it (219-223
 of 230-234 GFLOP/s) and the grouped experts at 82-88%; at batch 128 every model FLOP at that peak would
-have been 3.41x (transformers' best run 580 tok/s) and 3.78x (524) transformers for the Qwen3-MoE-shaped
-model, where ours ran at 73-74% of the peak end to end (2.53x and 2.77x best-of, paired 2.53x and
-3.07x): 3x needed 79-88% of the peak, a run 8-19% faster end to end, with the GEMMs
-already near it. A decode step at batch 128 there (~70 ms): qkv / o / router GEMMs ~28 ms, experts ~32
+have been 3.41x (transformers' best run 580 tok/s), 3.78x (524) and 4.01x (501) transformers for the
+Qwen3-MoE-shaped model, where ours ran at 71-74% of the peak end to end (2.53x, 2.77x and 2.84x
+best-of, paired 2.53x, 3.07x and 2.92x): 3x needed 75-88% of the peak, a run 6-19% faster end to end,
+with the GEMMs already near it. (In the last run `--bf16-dot` ran 4.79x transformers' fp32.) A decode step at batch 128 there (~70 ms): qkv / o / router GEMMs ~28 ms, experts ~32
 ms (each expert's ~16 rows stream 100 MB of fp32 weights a layer), attention ~7 ms (an fp32 KV cache
 read back from DRAM each layer: 0.5 ms warm, 0.7-0.9 ms cold for 128 tokens over ~48 keys), norms,
 rope and routing ~2 ms.
