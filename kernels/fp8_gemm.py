@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _checks, _tilelang
+from . import grouped_gemm as G
 from .errors import KernelInputError
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
@@ -258,8 +259,6 @@ def fp8_gemm_tilelang(x, w, scale, block_k: int = 128, split: int | None = None)
 
 def grouped_reference(x, w, scale, block_k, tile_start, tile_end, tile_expert, gated: bool = False):
     """The torch definition, tile by tile: each expert's weights dequantised to x's dtype, then the GEMM."""
-    from . import grouped_gemm as G
-
     G.check_args(x, w, tile_start, tile_end, tile_expert, gated, scale, block_k)
     deq = torch.stack([dequantize(w[e], scale[e], block_k, x.dtype) for e in range(w.shape[0])]) if w.shape[0] else \
         torch.empty(0, *w.shape[1:], dtype=x.dtype, device=x.device)
@@ -270,8 +269,6 @@ def grouped_tilelang(x, w, scale, block_k, tile_start, tile_end, tile_expert, ga
     """Run the grouped TileLang kernel (grouped_gemm.py's, built for e4m3 weights) for the tensors' device
     (bf16 / fp16 on CUDA, fp32 on the CPU twin); returns y [R, N]. Compiles once per (device kind, N, K,
     gated, block_k, dtype)."""
-    from . import grouped_gemm as G
-
     G.check_args(x, w, tile_start, tile_end, tile_expert, gated, scale, block_k)
     n = w.shape[1] // 2 if gated else w.shape[1]
     kern = _grouped_kernel(n, x.shape[1], gated, block_k, x.dtype, x.device)
@@ -284,8 +281,6 @@ def grouped_tilelang(x, w, scale, block_k, tile_start, tile_end, tile_expert, ga
 
 
 def _grouped_kernel(n: int, k: int, gated: bool, block_k: int, dtype: torch.dtype, device: torch.device):
-    from . import grouped_gemm as G
-
     if device.type == "cuda":
         tdt = _GPU_DTYPES.get(dtype)
         if tdt is None:  # T.gemm on fp32 operands runs TF32 on the tensor cores: not an fp32 result
@@ -317,6 +312,4 @@ def grouped_gemm(x, w: ExpertStack, tile_start, tile_end, tile_expert, gated: bo
 
 def moe_experts(x, idx, gate_up: ExpertStack, down: ExpertStack):
     """[T, k, H]: grouped_gemm.moe_experts with every expert's weights block-FP8."""
-    from .grouped_gemm import moe_experts as chain
-
-    return chain(x, idx, gate_up, down, gemm=grouped_gemm)
+    return G.moe_experts(x, idx, gate_up, down, gemm=grouped_gemm)
