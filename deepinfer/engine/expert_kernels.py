@@ -132,33 +132,40 @@ class NativeGatedMlp(nn.Module):
         return self._kernel(x, self._ids.expand(t, m), self._packed, weights=x.new_ones(t, m))
 
 
-class TileLangExperts(nn.Module):
-    """One MoE block's experts for `grouped_gemm.moe_experts` on CUDA; callable (x, local ids) -> [T, k, H]."""
+class _GroupedExperts(nn.Module):
+    """One MoE block's stacked experts through a grouped `moe_experts(x, idx, gate_up, down)`; callable
+    (x, local ids) -> [T, k, H]."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, kernel, gate_up, down):
         super().__init__()
-        from deepinfer_kernels import grouped_gemm
-
-        self._kernel = grouped_gemm.moe_experts
-        self.gate_up, self.down = gate_up, down  # the block's parameters are views of these
-        # compile both GEMMs now, never on the step path
-        grouped_gemm.warmup(gate_up, down)
+        self._kernel = kernel
+        self.gate_up, self.down = gate_up, down
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self.gate_up, self.down)
 
 
-class Fp8TileLangExperts(nn.Module):
+class TileLangExperts(_GroupedExperts):
+    """One MoE block's experts for `grouped_gemm.moe_experts` on CUDA (the block's parameters are views
+    of the stacks)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        from deepinfer_kernels import grouped_gemm
+
+        super().__init__(grouped_gemm.moe_experts, gate_up, down)
+        # compile both GEMMs now, never on the step path
+        grouped_gemm.warmup(gate_up, down)
+
+
+class Fp8TileLangExperts(_GroupedExperts):
     """One MoE block's block-FP8 experts (kept as stored: engine/fp8_linear.py) for `fp8_gemm.moe_experts`,
-    the grouped W8A16 kernel; callable (x, local ids) -> [T, k, H]. CUDA with bf16 / fp16 activations, or
-    the kernel's CPU twin at fp32 (kernels="tilelang")."""
+    the grouped W8A16 kernel, over fp8_gemm.ExpertStacks (the fp8 linear's entries are views of them).
+    CUDA with bf16 / fp16 activations, or the kernel's CPU twin at fp32 (kernels="tilelang")."""
 
     def __init__(self, gate_up, down, dtype: torch.dtype):
-        super().__init__()
         from deepinfer_kernels import fp8_gemm
 
-        self._kernel = fp8_gemm.moe_experts
-        self.gate_up, self.down = gate_up, down  # fp8_gemm.ExpertStack; the linear's entries are views of them
+        super().__init__(fp8_gemm.moe_experts, gate_up, down)
         self._check(dtype)  # (compiles both GEMMs now, never on the step path)
 
     def _check(self, dtype: torch.dtype) -> None:
@@ -179,9 +186,6 @@ class Fp8TileLangExperts(nn.Module):
                for s in (self.gate_up, self.down)]
         want = grouped_gemm.moe_experts(x, remap.to(dev)[idx], *deq, gemm=grouped_gemm.grouped_gemm_reference)
         check_result(self(x, idx), want, "the grouped FP8 expert kernel")
-
-    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, idx, self.gate_up, self.down)
 
 
 def _stack_fp8(block, table: dict):
