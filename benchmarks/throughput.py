@@ -19,6 +19,14 @@ vLLM's start-up and one warm-up call are outside the timing (its workers stay lo
     python benchmarks/throughput.py --model /work/peers/smollm2-hf --precisions float32 bfloat16 \
         --peers /work/peers --vllm-dtypes bfloat16 --no-hf --no-llamacpp
 
+    python benchmarks/throughput.py --cpu-levels avx512 avx2 generic --batches 1 32 128 \
+        --precisions float32 auto quantized --no-llamacpp --vllm-dtypes
+
+With --cpu-levels the whole benchmark runs once per CPU level, each in its own process under
+DEEPINFER_CPU=level (and torch held to that level: deepinfer_kernels.cpu.torch_env, so transformers
+runs as it would on such a CPU too), one level after the other in this run; then a table of each
+level's ratios. A level above this CPU's is refused by name.
+
 llama.cpp gets an explicit thread count (default: every core, like our engine's OpenMP/torch threads),
 for both its decode and its prompt batches: llama-cpp-python's own default is half the cores for
 decode, which on a 2-core machine compares one llama.cpp thread against two of ours.
@@ -130,6 +138,7 @@ def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[in
     ours (the last precision) per batch and the best HF figure."""
     n = args.new_tokens
     engine = engines[args.precisions[-1]]
+    print(f"CPU level {engine.cpu}  torch {torch.backends.cpu.get_cpu_capability()}")
     print(f"threads={torch.get_num_threads()}  llama.cpp n_threads={args.llamacpp_threads if peer_py else '-'}  new_tokens={n}  best of {args.repeats}  model={os.path.basename(engine.model_source)}")
     for p, e in engines.items():
         print(f"  dtype={p!r}: precision {e.precision}, KV cache {e.kv_cache_dtype}, resident weights {e.stats.weight_bytes / 1e6:.1f} MB "
@@ -142,6 +151,7 @@ def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[in
     vrat = f" {'ours/vLLM ' + vref:>19} {'paired med.':>12}" if vref else ""
     print(f"{'batch':>6}{cols}{ratios} {'hf tok/s':>10} {'llama.cpp tok/s':>16}{vcols}{vrat}", flush=True)
     ours_at, best_hf, best_ours_v, best_v = {}, 0.0, 0.0, 0.0
+    table = args.table = {}  # batch -> best tok/s per arm (the --summary-json line)
     for b in args.batches:
         prompts = make_prompts(b, seed=b)
         ids = [engine.encode_prompt(p) for p in prompts]  # ours and vLLM get the same token ids
@@ -151,6 +161,7 @@ def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[in
             for name, fn in (arms if rep % 2 == 0 else arms[::-1]):  # neither side always runs first
                 runs[name].append(fn())
         best = {name: max(r) for name, r in runs.items()}
+        table[b] = best
         ours = {p: best[p] for p in args.precisions}
         ours_at[b] = ours[args.precisions[-1]]
         best_hf = max(best_hf, best.get("hf", 0.0))
@@ -168,6 +179,43 @@ def throughput_table(args, engines, hf, tok, peer_py, vllm, sp) -> tuple[dict[in
         print(f"best batch: ours {best_ours_v:.1f} tok/s vs vLLM {vref} {best_v:.1f} tok/s -> "
               f"{best_ours_v / best_v:.2f}x (target >= 1.5)")
     return ours_at, best_hf
+
+
+def run_levels(levels: list[str], argv: list[str]) -> None:
+    """This benchmark once per CPU level (a child process each, DEEPINFER_CPU=level), then the ratios per level."""
+    import json
+    import subprocess
+
+    from deepinfer_kernels import cpu
+
+    here = cpu.info()
+    print(f"CPU: {here.model} ({here.arch}), its level {here.detected}; levels run: {', '.join(levels)}", flush=True)
+    rows = {}
+    for level in levels:
+        env = {**os.environ, "DEEPINFER_CPU": level, **cpu.torch_env(level)}
+        print(f"\n===== DEEPINFER_CPU={level} =====", flush=True)
+        child = subprocess.run([sys.executable, __file__, *argv, "--summary-json"], env=env, stdout=subprocess.PIPE,
+                               text=True)
+        lines = child.stdout.splitlines()
+        print("\n".join(ln for ln in lines if not ln.startswith("SUMMARY ")), flush=True)
+        if child.returncode:
+            raise SystemExit(f"the {level} run failed (exit {child.returncode})")
+        rows[level] = json.loads(next(ln for ln in lines if ln.startswith("SUMMARY "))[8:])
+    print("\n===== per level (tok/s, best of the repeats; ratios side by side within each level's run) =====")
+    for level, r in rows.items():
+        base, precs = r["precisions"][0], r["precisions"]
+        print(f"{level} ({r['cpu']}):")
+        print(f"  {'batch':>6}" + "".join(f" {p:>10}" for p in precs) + f" {'hf':>8}"
+              + "".join(f" {p + '/' + base:>18}" for p in precs[1:])
+              + (f" {'quantized/auto':>15}" if {"auto", "quantized"} <= set(precs) else "") + f" {'best/hf':>8}")
+        for b, t in r["tok_s"].items():
+            hf = t.get("hf")
+            line = f"  {b:>6}" + "".join(f" {t[p]:>10.1f}" for p in precs) + f" {hf if hf else '-':>8}"
+            line += "".join(f" {t[p] / t[base]:>18.2f}" for p in precs[1:])
+            if {"auto", "quantized"} <= set(precs):
+                line += f" {t['quantized'] / t['auto']:>15.2f}"
+            line += f" {max(t[p] for p in precs) / hf:>8.2f}" if hf else f" {'-':>8}"
+            print(line)
 
 
 def main() -> None:
@@ -189,7 +237,20 @@ def main() -> None:
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1,
                     help="llama.cpp's n_threads and n_threads_batch (default: all cores, os.cpu_count())")
+    ap.add_argument("--cpu-levels", nargs="+", default=None, choices=["avx512", "avx2", "generic"],
+                    help="run everything once per CPU level (DEEPINFER_CPU), each in its own process, then compare")
+    ap.add_argument("--summary-json", action="store_true", help=argparse.SUPPRESS)  # (a --cpu-levels child)
     args = ap.parse_args()
+    if args.cpu_levels:
+        argv, skip = [], False
+        for a in sys.argv[1:]:  # the same options, less --cpu-levels and its values
+            if a == "--cpu-levels":
+                skip = True
+            elif skip and a.startswith("--"):
+                skip = False
+            if not skip:
+                argv.append(a)
+        return run_levels(args.cpu_levels, argv)
     n = args.new_tokens
 
     engines = {p: Engine(args.model, kv_cache_memory=1 << 30, dtype=p) for p in args.precisions}
@@ -211,6 +272,13 @@ def main() -> None:
             v.close()
     if hf is not None:
         print(f"best deepinfer / best hf: {max(ours_at.values()) / best_hf:.2f}  (target >= 1.5)")
+    if args.summary_json:
+        import json
+
+        from deepinfer_kernels import cpu
+
+        print("SUMMARY " + json.dumps({"cpu": cpu.info().describe(), "precisions": args.precisions,
+                                       "tok_s": {str(b): v for b, v in args.table.items()}}), flush=True)
 
     # batch-1 decode vs the memory roofline
     # a decode step reads every weight once (the resident weights: quantised blocks as stored, or

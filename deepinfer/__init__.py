@@ -1,5 +1,9 @@
 """DeepInfer: run LLM programs offline, fast and exactly."""
 
+# first: under DEEPINFER_CPU it holds torch's CPU dispatch to the forced level, which only works
+# before torch runs its first op (deepinfer_kernels/cpu.py; imports no torch)
+import deepinfer_kernels.cpu  # noqa: F401, I001
+
 from deepinfer.engine.outputs import RequestOutput, TokenLogprob
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import (

@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
             engine = Engine(args.model, **options)
             if not args.quiet:
                 print(f"{name}: {os.path.basename(str(engine.model_source))}, precision {engine.precision}, "
-                      f"KV cache {engine.kv_cache_dtype}", file=sys.stderr)
+                      f"KV cache {engine.kv_cache_dtype}, CPU level {engine.cpu}", file=sys.stderr)
             summary = run_batch_job(opts, engine, model=args.model) if batch else run_job(program, opts, engine)
     except JobUsageError as e:
         print(f"{name}: error: {e}", file=sys.stderr)

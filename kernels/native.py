@@ -5,14 +5,18 @@ decode attention, benchmarks/kernels.py). Attention over a paged cache with one 
 gather plus a few multiply-adds per byte; written directly in C with OpenMP it reads each key and
 value once, where torch must gather them into a copy first.
 
-The library is built with ``-O3 -march=native -fopenmp`` into a cache directory keyed by the source,
-the compiler and the CPU, and written atomically (parallel test workers may race to build it).
+The library is built once per CPU level (deepinfer_kernels.cpu: ``-march=x86-64-v3`` for avx2,
+``x86-64-v4`` for avx512, plain ``x86-64`` for generic; never ``-march=native``, so a level forced
+with DEEPINFER_CPU runs the code a CPU of that level runs) with ``-O3 -fopenmp`` into a cache
+directory keyed by the source, the compiler and the flags, and written atomically (parallel test workers may race to build it).
 Only a verified library is loaded: the directory must be this user's and private (0700), and the
 file must be this user's, writable by no one else, with the SHA-256 recorded when it was built;
 anything else is rebuilt (see ``_trusted_dir`` and ``_verified``).
 ``-fopenmp`` links ``libgomp.so.1``: the dynamic loader resolves it to the copy torch has already
 loaded, so these loops share torch's OpenMP thread pool and thread count.
-If no compiler is found or the build fails, ``load()`` returns None and callers use torch.
+If no compiler is found, the CPU is not x86 (the kernels are x86 code) or the build fails, ``load()``
+returns None and callers use torch. The loaded library is told the level in force (``di_cpu_set``),
+the only CPU knowledge its kernels use at run time.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import stat
 import subprocess
@@ -28,29 +31,22 @@ import tempfile
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import cpu
 from .errors import KernelInputError
 
 _CSRC = Path(__file__).with_name("csrc")
 _SRCS = sorted(_CSRC.glob("*.c"))
 _HEADERS = sorted(_CSRC.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast", "-Wno-psabi"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor()
 
 
 def _cache_dir() -> Path:
@@ -104,19 +100,36 @@ def _verified(lib: Path) -> bool:
     return recorded == _sha256(lib)
 
 
+def _compile(cc: str, flags: list[str], objs: str, lib: str) -> None:
+    """Each source to an object, as many at once as there are cores (one gcc over all of them took
+    ~40 s on 2 cores, the AVX-512 bf16 GEMM alone a third of it), then one link."""
+    def one(src: Path) -> str:
+        obj = os.path.join(objs, src.stem + ".o")
+        r = subprocess.run([cc, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {src.name}: {r.stderr.strip()[:2000]}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        built = list(pool.map(one, _SRCS))
+    r = subprocess.run([cc, *flags, *built, "-o", lib, "-lm"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cc} failed to link: {r.stderr.strip()[:2000]}")
+
+
 def _build(cc: str) -> Path:
     src = b"".join(p.name.encode() + p.read_bytes() for p in _SRCS + _HEADERS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(src + repr((version, _FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
-    out = _trusted_dir() / f"deepinfer_native-{key}.so"
+    flags = _FLAGS + cpu.compiler_flags()
+    key = hashlib.sha256(src + repr((version, flags)).encode()).hexdigest()[:16]
+    out = _trusted_dir() / f"deepinfer_native-{cpu.level()}-{key}.so"
     if _verified(out):
         return out
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    objs = tempfile.mkdtemp(dir=out.parent)
     try:
-        r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:2000]}")
+        _compile(cc, flags, objs, tmp)
         os.chmod(tmp, 0o700)
         digest = _sha256(Path(tmp))
         # hash first, then the library, both atomically: a concurrent builder writes identical files
@@ -126,6 +139,7 @@ def _build(cc: str) -> Path:
         os.replace(tmp_hash, out.with_suffix(".sha256"))
         os.replace(tmp, out)
     finally:
+        shutil.rmtree(objs, ignore_errors=True)
         if os.path.exists(tmp):
             os.unlink(tmp)
     if not _verified(out):  # replaced between our write and now: refuse rather than load it
@@ -134,12 +148,18 @@ def _build(cc: str) -> Path:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled library, building it on first use; None (with one warning) if that fails."""
+    """The compiled library for the CPU level in force, building it on first use; None (with one
+    warning) if it cannot be built here. A DEEPINFER_CPU the CPU cannot run raises cpu.CpuLevelError."""
     global _lib, _tried
     with _lock:
         if _tried:
             return _lib
+        level = cpu.kernel_level()  # raises on a bad DEEPINFER_CPU (before _tried: every caller hears it)
         _tried = True
+        why_not = cpu.native_supported()
+        if why_not is not None:
+            warnings.warn(f"deepinfer_kernels.native: not built: {why_not}", stacklevel=2)
+            return None
         cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
         if cc is None:
             warnings.warn("deepinfer_kernels.native: no C compiler found; using torch attention on CPU", stacklevel=2)
@@ -179,6 +199,12 @@ def load() -> ctypes.CDLL | None:
         lib.di_argmax_rows_f32.restype = ctypes.c_int
         lib.di_fma_peak_f32.argtypes = [i64, fp]
         lib.di_fma_peak_f32.restype = i64
+        lib.di_cpu_set.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.di_cpu_set.restype = ctypes.c_int
+        if lib.di_cpu_set(level, int(cpu.has("avx512_vnni") or cpu.has("avx_vnni"))) != level:
+            warnings.warn(f"deepinfer_kernels.native: the library built for {cpu.level()} refused level {level}; "
+                          "using torch", stacklevel=2)
+            return None
         _lib = lib
         return _lib
 

@@ -14,7 +14,8 @@ x @ W.T on them:
 Both have one fixed reduction order per output element, so a row's result does not depend on the
 batch. From PANEL_M rows on, the exact mode runs csrc/qgemm_panel.c (weights dequantised three rows
 at a time into L1, a 2 x 3 register tile sweeping the rows), bit-identical to the row kernel;
-`qlinear_int8_outer` is the int8 mode's many-row kernel (csrc/qgemm_i8_outer.c, AVX512_VNNI), also
+`qlinear_int8_outer` is the int8 mode's many-row kernel (csrc/qgemm_i8_outer.c with AVX512_VNNI, else
+csrc/qgemm_i8_outer_avx2.c: vpmaddubsw, AVX-VNNI where built; `int8_outer_kernel` says which), also
 bit-identical to its row kernel.
 `pack` is this module's own encoder of the formats (tests; round-trip checked against
 `dequantize_reference`, a torch transcription of the formats' definitions).
@@ -79,9 +80,9 @@ def available() -> bool:
 
 
 def cpu_level() -> int:
-    """The instruction-set level the kernels use on this CPU: 3 AVX512_BF16 as well as level 2 (the bf16
-    kernel, `qlinear_bf16`), 2 AVX-512 (F/BW/DQ/VL) as well as AVX2, 1 AVX2 + FMA + F16C, 0 only the
-    scalar code; at most the cap `set_level_cap` set."""
+    """The instruction-set level the kernels use: the CPU level in force (deepinfer_kernels.cpu.kernel_level:
+    3 avx512 with AVX512_BF16 (the bf16 kernel, `qlinear_bf16`), 2 avx512, 1 avx2, 0 generic: only the
+    scalar code), at most the cap `set_level_cap` set."""
     return int(_lib().di_q_cpu_level())
 
 
@@ -334,17 +335,31 @@ def qlinear_bf16(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     return _outer("qlinear_bf16", _lib().di_qgemm_outer_bf16, x, w, bias, lambda: qlinear_outer(x, w, bias))
 
 
-# ---- many rows in the int8 mode (csrc/qgemm_i8_outer.c) ------------------------------------------------
+# ---- many rows in the int8 mode (csrc/qgemm_i8_outer.c, csrc/qgemm_i8_outer_avx2.c) ------------------
+# di_qgemm_outer_i8_ready's answers: the kernel qlinear_int8_outer runs for a format at the level in force
+INT8_OUTER_KERNELS = {0: None, 1: "avx2", 2: "avx_vnni", 3: "avx512_vnni"}
+
+
+def int8_outer_kernel(w: QuantWeight) -> str | None:
+    """Which kernel `qlinear_int8_outer` runs for w's format at the level in force (`cpu_level()`, the cap
+    of `set_level_cap` included): "avx512_vnni" (level 2+ with AVX512_VNNI: zmm vpdpbusd tiles,
+    csrc/qgemm_i8_outer.c), "avx_vnni" (level 1+ where the build has AVX-VNNI: ymm vpdpbusd) or "avx2"
+    (level 1+ otherwise: vpmaddubsw / vpmaddwd; both csrc/qgemm_i8_outer_avx2.c), None where it runs the
+    row kernel instead (level 0, or a k-quant: Q4_0 / Q4_1 / Q8_0 only). All give the row kernel's bits."""
+    return INT8_OUTER_KERNELS[int(_lib().di_qgemm_outer_i8_ready(w.fmt))]
+
+
 def int8_outer_ready(w: QuantWeight) -> bool:
-    """True where `qlinear_int8_outer` runs its own kernel for w's format on this CPU: AVX-512 with VNNI
-    (a build that has it), Q4_0 / Q4_1 / Q8_0, `set_level_cap` at 2 or more."""
-    return bool(_lib().di_qgemm_outer_i8_ready(w.fmt))
+    """True where `qlinear_int8_outer` runs one of its own kernels for w's format (`int8_outer_kernel`):
+    Q4_0 / Q4_1 / Q8_0 at `cpu_level()` 1 (AVX2) or more."""
+    return int8_outer_kernel(w) is not None
 
 
 def qlinear_int8_outer(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 @ W.T (+ bias) in the int8 mode as an outer product of vpdpbusd tiles
-    (csrc/qgemm_i8_outer.c): `qlinear(mode="int8")`'s result bit for bit (the same activation
-    quantisation, the same integer block sums and fp32 combination order), so a row's bits do not
-    depend on M or on which of the two ran it. Where `int8_outer_ready(w)` is False it runs that row
+    """x [M, K] fp32 @ W.T (+ bias) in the int8 mode as an outer product of integer register tiles
+    (`int8_outer_kernel`: vpdpbusd with AVX512_VNNI, csrc/qgemm_i8_outer.c; vpmaddubsw / vpmaddwd or
+    AVX-VNNI on AVX2, csrc/qgemm_i8_outer_avx2.c): `qlinear(mode="int8")`'s result bit for bit (the same
+    activation quantisation, the same integer block sums and fp32 combination order), so a row's bits do
+    not depend on M or on which of them ran it. Where `int8_outer_ready(w)` is False it runs that row
     kernel."""
     return _outer("qlinear_int8_outer", _lib().di_qgemm_outer_i8, x, w, bias, lambda: qlinear(x, w, bias, mode="int8"))

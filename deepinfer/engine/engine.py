@@ -12,12 +12,15 @@ their KV to the radix cache. This file holds the public API and the step loop th
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
+import warnings
 from typing import Any, Sequence as Seq
 
 import torch
 
+from deepinfer.engine import cpu
 from deepinfer.engine.admission import error_output, prompt_list, typed_admission_errors
 from deepinfer.engine.compute_thread import compute_thread
 from deepinfer.engine.config import EngineConfig
@@ -40,6 +43,8 @@ from deepinfer.engine.stats import EngineStats
 from deepinfer.engine.step_planner import Step, plan_step
 from deepinfer.engine.structured_output import StructuredOutputs
 from deepinfer.errors import DistributedWorkerError, ExpertParallelConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
+
+logger = logging.getLogger(__name__)
 
 FORCED_KEY = ("grammar",)  # draft_key of a grammar's forced continuation
 MAX_FORCED_DRAFT = 32  # most forced tokens verified in one step (a forced string can be a long JSON key)
@@ -117,6 +122,12 @@ class Engine:
         self.precision = self.runner.precision
         # what the KV cache holds ("float32", "bfloat16", ...: EngineConfig.kv_cache_dtype)
         self.kv_cache_dtype = str(getattr(self.runner, "kv_dtype", self.dtype)).removeprefix("torch.")
+        # the CPU level the native kernels and precision choices ran at (deepinfer_kernels.cpu)
+        self.cpu = cpu.info().describe()
+        logger.info("engine loaded %s: precision %s, KV cache %s, CPU level %s", os.path.basename(str(self.model_source)),
+                    self.precision, self.kv_cache_dtype, self.cpu)
+        if self.device.type == "cpu" and (mismatch := cpu.torch_mismatch()):
+            warnings.warn(mismatch, RuntimeWarning, stacklevel=2)
         # token ids that end generation: the tokenizer's EOS set plus the model config's
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids))
         self.vocab_size = self.model_config.vocab_size

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.engine import cpu
 from deepinfer.engine.config import EngineConfig
 from deepinfer.errors import InvalidRequestError
 
@@ -89,12 +90,14 @@ def quant_mode(name: str, device: torch.device) -> str | None:
     compiler) auto stays fp32.
 
     "bfloat16" on CPU keeps the blocks too, in the mode "bf16" (quant_linear.py: the exact row kernels
-    for few rows, bf16 products with fp32 accumulation from BF16_M rows where the CPU has
-    AVX512_BF16); a checkpoint without block tensors is left to the dense path."""
+    for few rows, bf16 products with fp32 accumulation from BF16_M rows) where the CPU level has
+    AVX512_BF16, else in the exact mode; a checkpoint without block tensors is left to the dense path."""
     if name in ("auto", "bfloat16"):
         if device.type != "cpu" or not native_kernels():
             return None
-        return "exact" if name == "auto" else "bf16"
+        # bf16 products need AVX512_BF16 at the level in force (deepinfer_kernels.cpu): without it the bf16
+        # kernel would run the exact one anyway, so the engine says so ("quantized-exact")
+        return "bf16" if name == "bfloat16" and cpu.has("avx512_bf16") else "exact"
     return QUANT_DTYPES.get(name)
 
 

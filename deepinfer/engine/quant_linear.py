@@ -11,17 +11,19 @@ wrong number. A tied embedding matrix stays quantised too; its lookups dequantis
 
 Small M (decode) runs the native row kernel, reading the weights as blocks (98 MB for SmolLM2-135M
 Q4_1 instead of 540 MB of fp32), through one `quant.RowKernel` per weight (arguments bound once,
-same bits; in the int8 mode it quantises the activations too). From OUTER_M rows both modes run
+same bits; in the int8 mode it quantises the activations too). From OUTER_M rows the exact mode runs
 csrc/qgemm_outer.c (AVX2: 16 weight rows dequantised into a transposed panel, a 6 x 16 outer-product
 tile; AVX-512: x transposed once, 16 weight rows dequantised at a time and broadcast against an 8 x 48
-tile, the same bits): one fixed order per output, not the row kernel's. The batch-invariant mode instead runs the
-panel kernel there (csrc/qgemm_panel.c: bit-identical to the row kernel, so a row's bits never
-depend on M; its int8 rows stay int8). Without AVX2 many rows dequantise the matrix for the call
-and run oneDNN, as before.
+tile, the same bits): one fixed order per output, not the row kernel's (it is the fp32 panel GEMM's on
+the dequantised weights). The batch-invariant mode instead runs the panel kernel there
+(csrc/qgemm_panel.c: bit-identical to the row kernel, so a row's bits never depend on M). At the
+generic CPU level many rows dequantise the matrix for the call and run oneDNN.
 
-The int8 mode from INT8_OUTER_M rows, where the CPU has AVX512_VNNI, runs csrc/qgemm_i8_outer.c
-(`quant.qlinear_int8_outer`: vpdpbusd register tiles over x quantised once per call, bit-identical to
-the int8 row kernel), in both the default and the batch-invariant mode; elsewhere the paths above.
+The int8 mode keeps int8 products at every M: from INT8_OUTER_M rows (INT8_OUTER_M_Q4 for the 4-bit
+formats) `quant.qlinear_int8_outer` (csrc/qgemm_i8_outer.c with AVX512_VNNI's vpdpbusd, else
+csrc/qgemm_i8_outer_avx2.c: vpmaddubsw / vpmaddwd, AVX-VNNI where built; every one bit-identical to
+the int8 row kernel), in both the default and the batch-invariant mode; at the generic level, and for
+the k-quants, the int8 row kernel at every M (the same bits), never the exact mode's kernels.
 
 The mode "bf16" is the exact mode but for calls of BF16_M rows or more (not batch-invariant mode): there
 x and the dequantised weights are rounded to bf16 and multiplied by AVX512_BF16's vdpbf16ps with fp32
@@ -66,9 +68,10 @@ MODES = (*quant.MODES, "bf16")
 # the native decode stack (exact row kernels, fewer than PANEL_M rows) stops, so a decode step's bits do
 # not depend on which path ran it. BF16_M must stay >= quant.PANEL_M for that.
 BF16_M = 16
-# rows from which the int8 mode runs quant.qlinear_int8_outer (csrc/qgemm_i8_outer.c: vpdpbusd tiles,
-# the int8 row kernel's bits, so this threshold and the batch-invariant mode change no result) where
-# the CPU has AVX512_VNNI; without it the int8 mode keeps its earlier paths. On the 2-core AVX-512 Zen 5
+# rows from which the int8 mode runs quant.qlinear_int8_outer (the int8 row kernel's bits, so this
+# threshold and the batch-invariant mode change no result; AVX512_VNNI's kernel, or the AVX2 one: on the
+# 2-core Zen 4 under DEEPINFER_CPU=avx2 it ran 1.9-2.2x the row kernel at 16 rows on SmolLM2's Q4_1
+# layers, 1.7x on the Q8_0 LM head, benchmarks/quant_outer_m.py, so 16 / 8 hold there too). On the 2-core AVX-512 Zen 5
 # host (benchmarks/quant_outer_m.py, 2 threads, medians of 9, arms alternating, quiet window), ms for
 # SmolLM2's Q4_1 qkv / gate_up / down and the Q8_0 LM head at 16 rows: 0.038 / 0.101 / 0.059 / 3.19 vs
 # the int8 row kernel's 0.104 / 0.302 / 0.158 / 5.37, the exact outer kernel's 0.065 / 0.193 / 0.100 /
@@ -121,7 +124,7 @@ class QuantLinear:
             if self.invariant:
                 raise RuntimeError(f"batch-invariant linear called with an unpacked weight {tuple(w.shape)}")
             return F.linear(x, w, b)
-        if not self.invariant:
+        if not self.invariant and self.row_mode == "exact":  # (the int8 mode keeps int8 products at every M)
             if self.mode == "bf16" and x.shape[0] >= BF16_M:
                 return quant.qlinear_bf16(x, qw, b)
             if self.avx2 and x.shape[0] >= OUTER_M:

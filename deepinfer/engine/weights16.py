@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.engine import cpu
 from deepinfer.engine.cpu_linear import CpuLinear, native_gemm_preferred
 from deepinfer.engine.placeholder import is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
@@ -42,10 +43,11 @@ def as_stored_bf16(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def bf16_dot_available() -> bool:
-    """Engine(dtype="bfloat16") on CPU runs the native bf16-dot GEMM here: the native kernels built and
-    the CPU has AVX-512F (the 8 x 48 tile's registers, as for the fp32 panels: native_gemm_preferred);
+    """Engine(dtype="bfloat16") on CPU runs the native bf16-dot GEMM here: the native kernels built at
+    the avx512 level (its 8 x 48 tile needs 32 vector registers; csrc/gemm_bf16dot.c has no narrower
+    tile, and bf16 products are fast only with AVX512_BF16: on AVX2 they ran 2-4x slower than fp32);
     vdpbf16ps itself is used where the CPU also has AVX512_BF16 (else the kernel's widening fallback)."""
-    return native_gemm_preferred()
+    return native_gemm_preferred() and cpu.at_least("avx512")
 
 
 def split_16bit(model, weights: dict[str, torch.Tensor], model_config, cpu_prepack: bool = True,

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_level.h"
 #include "expert_sort.h"
 #include "transpose32.h"
 #include "vec16.h"
@@ -217,10 +218,7 @@ static BF16DOT void panel_dot(const uint32_t *xb, int64_t M, int64_t Kp, const u
 /* 1: vdpbf16ps, 0: the widening fallback; di_gemm_bf16dot_set_cap(0) forces the fallback (tests) */
 static volatile int use_cap = 1;
 
-int di_gemm_bf16dot_level(void) {
-    __builtin_cpu_init();
-    return use_cap && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
+int di_gemm_bf16dot_level(void) { return use_cap && di_cpu_level() >= 3; }
 
 void di_gemm_bf16dot_set_cap(int cap) { use_cap = cap > 0; }
 

@@ -102,15 +102,10 @@ float di_q_half(uint16_t h) { return half_to_float(h); }
 static volatile int level_cap = 3;
 
 /* 0: scalar; 1: AVX2 + FMA + F16C; 2: that and AVX-512 F/BW/DQ/VL (the outer-product kernel's wide
- * tile, qgemm_outer.c); 3: that and AVX512_BF16 (the bf16 mode's kernel, qgemm_bf16.c); capped by
- * di_q_set_level_cap */
+ * tile, qgemm_outer.c); 3: that and AVX512_BF16 (the bf16 mode's kernel, qgemm_bf16.c): the library's
+ * level (cpu_level.h), capped by di_q_set_level_cap */
 int di_q_cpu_level(void) {
-    __builtin_cpu_init();
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    const int bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-    const int level = bf16 ? 3 : avx512 ? 2 : avx2 ? 1 : 0;
+    const int level = di_cpu_level();
     return level < level_cap ? level : level_cap;
 }
 

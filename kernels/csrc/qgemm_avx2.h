@@ -15,20 +15,18 @@ AVX2 static inline float hsum8(__m256 v) {
 }
 
 /* VNNI's vpdpbusd (u8 x s8, four products summed into each int32 lane) where the library's build
- * target has it (-march=native: the build host is the run host, the library cache is keyed by the CPU).
+ * has it (cpu_level.h: AVX512_VNNI or AVX-VNNI, compiled in where the CPU has it).
  * It gives the lanes maddubs + madd give: the same four bytes per lane, and maddubs cannot saturate
  * for these operands (|activation| <= 127 (di_q8_quantize_rows), weights 0..15 for the 4-bit
  * formats, |w| <= 128 for Q8_0 and 32 for the k-quants: |pair sum| <= 2 * 128 * 127 = 32512 <
  * 32767), so the integer dots and the results are the same bits either way. */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DI_HAVE_VNNI 1
-#endif
+#include "cpu_level.h"
 
 /* 8 int32 lanes, lane i = sum of u_j * s_j over bytes j = 4i .. 4i + 3 (u unsigned, s signed);
  * vnni: use vpdpbusd (only where DI_HAVE_VNNI, else ignored) */
 AVX2 static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i u, __m256i s, const int vnni) {
 #ifdef DI_HAVE_VNNI
-    if (vnni) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    if (vnni) return DI_DPBUSD(_mm256_setzero_si256(), u, s);
 #else
     (void)vnni;
 #endif
@@ -112,4 +110,10 @@ AVX2 static inline void transpose8(const float *src, int64_t ldr, float *dst, in
         default: TILE(WR, 1, W, LDW, (XT) + r_, ldt, mr_, nj, yr_, ldy); break;                                \
         }                                                                                                      \
     }
+
+/* the int8 mode's outer-product kernel in AVX2 (qgemm_i8_outer_avx2.c; qgemm_i8_outer.c's
+ * di_qgemm_outer_i8 calls it where the AVX512_VNNI one does not run): fmt Q4_0 / Q4_1 / Q8_0, K a
+ * positive multiple of 32; vnni: AVX-VNNI's vpdpbusd (where the build has it). 1 when out of memory */
+int di_qi8_outer_avx2(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t rb, int fmt, int64_t N,
+                      int64_t K, float *y, int64_t ldy, int vnni);
 #endif

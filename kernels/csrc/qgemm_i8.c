@@ -265,8 +265,8 @@ AVX2 static void chunk_fmt(const int fmt, const uint8_t *w, int64_t rb, int64_t 
 void di_qi8_chunk(int fmt, int level, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, const int8_t *qx,
                   const float *xs, const float *xsum, int64_t M, int64_t K, float *y, int64_t ldy) {
     const int64_t nb = K / QK;
-    if (level >= 1) { /* VNNI from level 2 where the build has it */
-        chunk_fmt(fmt, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, level >= 2);
+    if (level >= 1) { /* VNNI where the build and the level have it */
+        chunk_fmt(fmt, w, rb, n0, n1, nb, qx, xs, xsum, M, K, y, ldy, di_cpu_vnni_at(level));
         return;
     }
     for (int64_t r = 0; r < M; ++r)

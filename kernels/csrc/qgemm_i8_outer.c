@@ -20,8 +20,10 @@
  * and y = acc + macc; so the result is the row kernel's bit for bit, whatever M or the tile a row
  * falls in (tests/kernels/test_quant_i8_outer.py), and it may run in the batch-invariant mode.
  *
- * Needs di_q_cpu_level() 2 and a build with AVX512_VNNI (-march=native on a VNNI host); returns 1
- * elsewhere, or for the k-quants (quant.py then runs the int8 row kernel, the same bits).
+ * Needs di_q_cpu_level() 2 and the avx512 build on a CPU with AVX512_VNNI (cpu_level.h). Elsewhere from
+ * level 1 di_qgemm_outer_i8 runs the AVX2 kernel (qgemm_i8_outer_avx2.c: vpmaddubsw / vpmaddwd, or
+ * AVX-VNNI's ymm vpdpbusd where the build has it; the same bits), and at level 0 or for the k-quants it
+ * returns 1 (quant.py then runs the int8 row kernel, the same bits).
  */
 #include <immintrin.h>
 #include <stdlib.h>
@@ -42,7 +44,7 @@
 /* xT bytes per pass over the weights, as qgemm_outer.c's (L2: 1 MB per core on the Zen 5 host) */
 #define XB_BYTES (640 << 10)
 
-#ifdef DI_HAVE_VNNI
+#if defined(DI_HAVE_VNNI) && DI_VNNI_LEVEL == 2 /* AVX512_VNNI: zmm vpdpbusd */
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
 /* rows of x per panel: a tile's rows, whose xT is one contiguous stream. One [K / 4][Mp] array (rows
@@ -323,16 +325,20 @@ I8 static int outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w,
 }
 #endif
 
-/* 1 where di_qgemm_outer_i8 runs format fmt on this CPU (the level cap included), 0 where it refuses */
+/* which kernel di_qgemm_outer_i8 runs for format fmt on this CPU (the level cap included): 0 none (it
+ * refuses: level 0, or a k-quant), 1 the AVX2 one (qgemm_i8_outer_avx2.c, vpmaddubsw), 2 that with
+ * AVX-VNNI's vpdpbusd, 3 the AVX512_VNNI one above */
 int di_qgemm_outer_i8_ready(int fmt) {
-#ifdef DI_HAVE_VNNI
-    __builtin_cpu_init();
-    return (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0) && di_q_cpu_level() >= 2 &&
-           __builtin_cpu_supports("avx512vnni");
-#else
-    (void)fmt;
-    return 0;
+    if (fmt != FMT_Q4_0 && fmt != FMT_Q4_1 && fmt != FMT_Q8_0) return 0;
+    const int level = di_q_cpu_level();
+#if defined(DI_HAVE_VNNI) && DI_VNNI_LEVEL == 2
+    if (level >= 2 && di_cpu_vnni_at(2)) return 3;
 #endif
+    if (level < 1) return 0;
+#if defined(DI_HAVE_VNNI) && DI_VNNI_LEVEL == 1
+    if (di_cpu_vnni_at(level)) return 2;
+#endif
+    return 1;
 }
 
 /* y [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) @ W.T in the int8 mode, W as rows of blocks
@@ -340,11 +346,10 @@ int di_qgemm_outer_i8_ready(int fmt) {
  * whole blocks, no memory) */
 int di_qgemm_outer_i8(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
                       int64_t N, int64_t K, float *y, int64_t ldy) {
-    if (K % QK || K <= 0 || !di_qgemm_outer_i8_ready(fmt)) return 1;
-#ifdef DI_HAVE_VNNI
-    return outer_i8(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
-#else
-    (void)x, (void)ldx, (void)M, (void)w, (void)row_bytes, (void)N, (void)y, (void)ldy;
-    return 1;
+    const int kind = di_qgemm_outer_i8_ready(fmt);
+    if (K % QK || K <= 0 || !kind) return 1;
+#if defined(DI_HAVE_VNNI) && DI_VNNI_LEVEL == 2
+    if (kind == 3) return outer_i8(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
 #endif
+    return di_qi8_outer_avx2(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy, kind == 2);
 }

@@ -281,15 +281,11 @@ void di_qk_dequant_row(int fmt, int avx2, const uint8_t *row, int64_t K, float *
     else dequant_row_scalar(fmt, row, K, out);
 }
 
-/* level: di_q_cpu_level() (capped), 0 for the scalar code; the int8 dot in VNNI from 2 where the build
- * has it (the same bits, qgemm_avx2.h) */
+/* level: di_q_cpu_level() (capped), 0 for the scalar code; the int8 dot in VNNI where the build and
+ * the level have it (di_cpu_vnni_at; the same bits, qgemm_avx2.h) */
 void di_qk_tile(int mode, int level, int fmt, const uint8_t *wrow, int64_t K, const float *x, int64_t ldx,
                 const int8_t *qx, const float *xs, const float *xsum, int mr, float *y, int64_t ldy) {
-#ifdef DI_HAVE_VNNI
-    const int vnni = level >= 2;
-#else
-    const int vnni = 0;
-#endif
+    const int vnni = di_cpu_vnni_at(level);
     if (level >= 1) tile_avx2(mode, vnni, fmt, wrow, K, x, ldx, qx, xs, xsum, mr, y, ldy);
     else if (mode == DI_Q_EXACT) tile_exact_scalar(fmt, wrow, K, x, ldx, mr, y, ldy);
     else tile_int8_scalar(fmt, wrow, K, qx, xs, xsum, mr, y, ldy);

@@ -21,7 +21,7 @@ def bi_engine(tiny_models, request):
     # a small step budget so long prompts are prefilled in chunks, prefix cache on; bfloat16: the
     # projections as bf16 dot products (csrc/gemm_bf16dot.c), one fixed order per output as in fp32
     if request.param == "bfloat16" and not bf16_dot_available():
-        pytest.skip("bf16 dot products need the native GEMM on AVX-512")
+        pytest.skip("bf16 dot products run only at the avx512 level (AVX-512F)")
     eng = Engine(str(tiny_models["llama"]), kv_cache_memory=16 << 20, block_size=4, dtype=request.param,
                  batch_invariant=True, max_num_batched_tokens=96)
     assert eng.precision == {"float32": "float32", "bfloat16": "bfloat16-dot"}[request.param]

@@ -21,7 +21,7 @@ from deepinfer.engine.weights16 import bf16_dot_available
 from model_factory import make_tiny_model
 from test_engine_core import random_prompts
 
-pytestmark = pytest.mark.skipif(not bf16_dot_available(), reason="bf16 dot products need the native GEMM on AVX-512")
+pytestmark = pytest.mark.skipif(not bf16_dot_available(), reason="bf16 dot products run only at the avx512 level (AVX-512F)")
 
 KW = dict(kv_cache_memory=8 << 20)
 TOL = 0.08  # max |logprob difference| against float32 (see the module docstring)

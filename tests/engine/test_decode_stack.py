@@ -13,6 +13,7 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.loader import load_model
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.weights16 import bf16_dot_available
 from deepinfer_kernels import KernelInputError, quant
 from deepinfer_kernels.decode_stack import DecodeStack
 
@@ -20,6 +21,8 @@ if not quant.available():
     pytest.skip("no C compiler here: the native kernels are not built", allow_module_level=True)
 
 BS = 4  # small blocks: contexts span several, in scattered order
+NEEDS_BF16_DOT = pytest.mark.skipif(not bf16_dot_available(),
+                                    reason="dtype='bfloat16' runs bf16 dot products only at the avx512 level (AVX-512F)")
 
 
 def _runner(path, mode, fmt=quant.Q4_1, batch_invariant=False):
@@ -203,13 +206,12 @@ def _steps_match(runner, row_counts, seed=5):
 
 
 @pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"batch_invariant": True}),
-                                     ("qwen3", {"dtype": "bfloat16"})],
+                                     pytest.param("qwen3", {"dtype": "bfloat16"}, marks=NEEDS_BF16_DOT)],
                          ids=["llama", "qwen2-bias", "qwen3-qk-norm", "llama-invariant", "qwen3-bf16-dot"])
 def test_panel_stack_is_bitwise_the_per_op_path(tiny_models, arch, kw):
     eng = _panel_engine(tiny_models[arch], **kw)
     runner = eng.runner
-    if runner.linear.backend != "native":
-        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.linear.backend == "native"  # (the panel GEMM is the CPU linear at every level)
     stack = runner.decode_stack
     assert stack is not None and stack.max_rows == runner.config.max_num_seqs
     # the panels the per-op path runs (gate|up packed gated: silu * mul in the GEMM), 16-bit dot products too
@@ -219,7 +221,8 @@ def test_panel_stack_is_bitwise_the_per_op_path(tiny_models, arch, kw):
     _steps_match(runner, (1, 3, 16, 37))
 
 
-@pytest.mark.parametrize("kw", [{}, {"batch_invariant": True}, {"moe_expert_dtype": "bfloat16"}, {"dtype": "bfloat16"}],
+@pytest.mark.parametrize("kw", [{}, {"batch_invariant": True}, {"moe_expert_dtype": "bfloat16"},
+                                pytest.param({"dtype": "bfloat16"}, marks=NEEDS_BF16_DOT)],
                          ids=["fp32", "invariant", "bf16-experts", "bf16-dot"])
 def test_moe_stack_is_bitwise_the_per_op_path(moe_models, kw):
     """Qwen3-MoE (layers: MoE, dense (mlp_only_layers), MoE): the router's panels, the native routing and
@@ -229,8 +232,7 @@ def test_moe_stack_is_bitwise_the_per_op_path(moe_models, kw):
 
     eng = _panel_engine(moe_models["qwen3_moe"], **kw)
     runner = eng.runner
-    if runner.linear.backend != "native":
-        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.linear.backend == "native"  # (the panel GEMM is the CPU linear at every level)
     assert runner.decode_stack is not None
     mods = list(runner.model.modules())
     assert sum(isinstance(m, NativeExperts) for m in mods) == 2 and any(isinstance(m, NativeGatedMlp) for m in mods)
@@ -247,8 +249,7 @@ def test_gated_shared_expert_stack_is_bitwise_the_per_op_path(moe_models, kw):
 
     eng = _panel_engine(moe_models["qwen2_moe_fused"], **kw)
     runner = eng.runner
-    if runner.linear.backend != "native":
-        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.linear.backend == "native"  # (the panel GEMM is the CPU linear at every level)
     assert runner.decode_stack is not None
     blocks = [m for m in runner.model.modules() if isinstance(m, MoeBlock)]
     assert blocks and all(b.shared_gate_weight is not None and b.expert_kernel.can_fuse(b.shared) for b in blocks)
@@ -256,7 +257,8 @@ def test_gated_shared_expert_stack_is_bitwise_the_per_op_path(moe_models, kw):
 
 
 @pytest.mark.parametrize("arch,kw", [("deepseek_v3", {}), ("deepseek_v3", {"batch_invariant": True}),
-                                     ("deepseek_v3", {"dtype": "bfloat16"}), ("deepseek_v3_plain", {}),
+                                     pytest.param("deepseek_v3", {"dtype": "bfloat16"}, marks=NEEDS_BF16_DOT),
+                                     ("deepseek_v3_plain", {}),
                                      ("deepseek_v2", {})],
                          ids=["v3", "v3-invariant", "v3-bf16-dot", "v3-no-q-lora", "v2"])
 def test_latent_stack_is_bitwise_the_per_op_path(moe_models, arch, kw):
@@ -269,8 +271,7 @@ def test_latent_stack_is_bitwise_the_per_op_path(moe_models, arch, kw):
 
     eng = _panel_engine(moe_models[arch], **kw)
     runner = eng.runner
-    if runner.linear.backend != "native":
-        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert runner.linear.backend == "native"  # (the panel GEMM is the CPU linear at every level)
     assert runner.decode_stack is not None
     attns = [m for m in runner.model.modules() if isinstance(m, MlaAttention)]
     assert attns and all(a.absorb_per_head for a in attns)
@@ -285,8 +286,7 @@ def test_moe_stack_gives_the_per_op_tokens_end_to_end(moe_models, arch):
     from deepinfer import SamplingParams
 
     eng = _panel_engine(moe_models[arch])
-    if eng.runner.decode_stack is None:
-        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert eng.runner.decode_stack is not None
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = [[5, 9, 14, 3], [7, 7, 21], [30, 2, 8, 11, 4, 6]]
     got = eng.generate(prompts, sp)
@@ -303,8 +303,7 @@ def test_stack_rejects_a_bad_moe_layer(moe_models):
 
     eng = _panel_engine(moe_models["qwen3_moe"])
     stack = eng.runner.decode_stack
-    if stack is None:
-        pytest.skip("the panel GEMM is not this CPU's linear (oneDNN is)")
+    assert stack is not None
     from deepinfer.engine.native_decode import bind_decode_stack
 
     runner = eng.runner

@@ -10,6 +10,7 @@ from deepinfer import Engine, SamplingParams
 from deepinfer.engine.attention import ForwardContext, PrefillChunk, paged_attention
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.forward_batch import ForwardBatch
+from deepinfer.engine.weights16 import bf16_dot_available
 from deepinfer.errors import InvalidRequestError
 from deepinfer_kernels import native
 
@@ -38,7 +39,8 @@ def test_auto_is_bf16_only_in_the_approximate_precisions(tiny_models):
     exact = Engine(path, dtype="float32", **KW)
     assert exact.kv_cache_dtype == "float32" and exact.runner.kv_cache.dtype == torch.float32
     dot = Engine(path, dtype="bfloat16", **KW)
-    assert dot.precision == "bfloat16-dot" and dot.kv_cache_dtype == "bfloat16"
+    # bf16 dot products at the avx512 level; below it torch's bf16 ops (compute dtype bf16): a bf16 cache either way
+    assert dot.precision == ("bfloat16-dot" if bf16_dot_available() else "bfloat16") and dot.kv_cache_dtype == "bfloat16"
     # half the bytes per token, so the same budget holds twice the blocks
     assert dot.runner.kv_bytes_per_token * 2 == exact.runner.kv_bytes_per_token
     assert dot.runner.num_blocks >= 2 * exact.runner.num_blocks - 1
@@ -58,7 +60,8 @@ def test_latent_cache_stays_in_the_compute_dtype(tmp_path):
     from moe_factory import make_moe_model
 
     path = str(make_moe_model(tmp_path / "v3", "deepseek_v3", seed=2))
-    assert Engine(path, dtype="bfloat16", **KW).runner.kv_cache.dtype == torch.float32  # MLA's latent cache
+    eng = Engine(path, dtype="bfloat16", **KW)  # MLA's latent cache: the compute dtype's (fp32 with bf16 dot products)
+    assert eng.runner.kv_cache.dtype == eng.dtype == (torch.float32 if bf16_dot_available() else torch.bfloat16)
     with pytest.raises(InvalidRequestError, match="MLA"):
         Engine(path, kv_cache_dtype="bfloat16", **KW)
 

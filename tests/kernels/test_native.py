@@ -295,7 +295,12 @@ def test_rope_store_kv_into_bf16_caches_rounds_as_torch():
     q16 = native.rope_store_kv(qkv, H, Hkv, cos, sin, slots, k16, v16)
     assert torch.equal(q16, q32)
     assert torch.equal(k16.view(torch.int16), k32.to(torch.bfloat16).view(torch.int16))
-    assert torch.equal(v16.view(torch.int16), v32.to(torch.bfloat16).view(torch.int16))
+    # a NaN is stored as 0xFFFF, what torch's vectorised conversion (its AVX2 / AVX-512 builds) gives; its
+    # scalar one (ATEN_CPU_CAPABILITY=default, as under DEEPINFER_CPU=generic) gives 0x7FC0: compare the
+    # NaN's bits with the vectorised rounding's, every other value with torch's at the level in force
+    nan = v32.isnan()
+    assert torch.equal(v16.view(torch.int16)[~nan], v32.to(torch.bfloat16).view(torch.int16)[~nan])
+    assert (v16.view(torch.int16)[nan] == -1).all() and nan.sum() == 1
     assert v16[7, 0, :2].tolist() == [1.0, 1 + 2**-6] and v16[7, 0, 2].isnan()
 
 

@@ -13,12 +13,14 @@ from deepinfer_kernels import native
 
 @pytest.fixture
 def fake_cc(tmp_path, monkeypatch):
-    """A 'compiler' that writes a counter into its -o file, so each build is distinguishable."""
+    """A 'compiler' that writes a counter into its -o file at each link (the library), so each build is
+    distinguishable; a compile (-c, one per source) just writes its object."""
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_private_fallback", None)
     cc = tmp_path / "fakecc"
     cc.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fakecc 1; exit 0; fi\n'
-                  'while [ "$#" -gt 0 ]; do if [ "$1" = -o ]; then out="$2"; fi; shift; done\n'
+                  'c=0; while [ "$#" -gt 0 ]; do if [ "$1" = -o ]; then out="$2"; fi; if [ "$1" = -c ]; then c=1; fi; shift; done\n'
+                  'if [ $c = 1 ]; then echo obj > "$out"; exit 0; fi\n'
                   f'n=$(cat {tmp_path}/count 2>/dev/null || echo 0); n=$((n+1)); echo $n > {tmp_path}/count\n'
                   'echo "build $n" > "$out"\n')
     cc.chmod(0o755)

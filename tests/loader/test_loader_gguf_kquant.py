@@ -160,6 +160,8 @@ def test_engine_on_kquant_blocks_tracks_fp32(kquant_gguf, tmp_path, dtype, tol):
 LONG = [(7 * i + 3) % 250 + 3 for i in range(40)]
 
 
+@pytest.mark.skipif(not quant.available() or quant.cpu_level() < 3,
+                    reason="the CPU level lacks AVX512_BF16: dtype='bfloat16' on a GGUF runs the exact kernels there")
 def test_bfloat16_on_kquant_blocks_tracks_quantized_exact(kquant_gguf, tmp_path, monkeypatch):
     """dtype="bfloat16" on a GGUF: the blocks kept, bf16 products from BF16_M rows (prefill), the exact
     row kernels below (decode of two sequences). Its prompt logprobs against the same engine with the
