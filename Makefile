@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test test-all bench clean
+.PHONY: install run test test-levels test-all bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ run: install
 ## 2. set up and run the test suite (what CI runs)
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu"
+
+## the CPU-level tests again under every level below this CPU's (DEEPINFER_CPU=avx2, generic): CI runs it after `test`
+test-levels: install
+	@for level in $$($(PY) -m deepinfer_kernels.cpu --below); do \
+		echo "== DEEPINFER_CPU=$$level"; \
+		DEEPINFER_CPU=$$level $(PY) -m pytest -q -m "cpu_levels and not slow and not gpu" || exit 1; \
+	done
 
 test-all: install
 	$(PY) -m pytest -q

@@ -1,10 +1,7 @@
 """The MoE models' CPU kernels side by side in one run (best of alternating repeats; the machine is
 shared, so read the ratios):
 
-1. projections: moe_gemm.linear (the expert kernel's register tile, engine/native_projections.py)
-   against the engine's packed linear (cpu_linear.CpuLinear: oneDNN on AVX2) and F.linear, on the
-   benchmark models' MLA / router / GQA shapes, at 1, 32 and 512 rows;
-2. the grouped expert kernel with a dynamic vs a static thread schedule, with its weights packed in
+the grouped expert kernel with a dynamic vs a static thread schedule, with its weights packed in
    huge-page-advised memory vs plain (kernels/huge_pages.py), with the last row tile prefetching the
    next block vs not (all the same bits), at the V3 layer's shapes (32 experts of 1024 x 256, top-4), and against the same kernel on one expert's weights
    over all T * top-k rows (dense, same K / N, same threads); and the roofline of the grouped GEMM
@@ -15,7 +12,7 @@ shared, so read the ratios):
    the repeated calls find part of them there: the roofline understates what is possible, and
    grouped/roofline can pass 1.)
 
-    python benchmarks/moe_kernels.py [--rows 1 32 512] [--tokens 32 128 512] [--repeats 15]
+    python benchmarks/moe_kernels.py [--tokens 32 128 512] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -24,10 +21,8 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from common import read_bandwidth_gbs
-from deepinfer.engine.cpu_linear import CpuLinear
 from deepinfer_kernels import moe_gemm
 
 
@@ -45,28 +40,11 @@ def best_of(fns, repeats):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     print(f"threads={torch.get_num_threads()} best of {args.repeats} (shared, loaded machine: compare the ratios)")
     g = torch.Generator().manual_seed(0)
-    shapes = {"mla down [q_a; kv_a]": (384 + 160, 1024), "mla q_b": (768, 384), "mla o_proj": (1024, 512),
-              "router": (32, 1024), "gqa qkv (qwen3)": (1536, 1024), "gqa o (qwen3)": (1024, 1024)}
-    ws = {k: torch.randn(*s, generator=g) * 0.03 for k, s in shapes.items()}
-    lin = CpuLinear(list(ws.values()))
-    packed = {k: moe_gemm.pack_linear(w) for k, w in ws.items()}
-    print(f"\nprojections: native tile vs engine linear ({lin.backend}) vs F.linear, us per call")
-    print(f"{'weight':<22} {'rows':>5} {'native':>9} {lin.backend:>9} {'F.linear':>9} {'native speed-up':>16}")
-    with torch.inference_mode():
-        for name, w in ws.items():
-            for m in args.rows:
-                x = torch.randn(m, w.shape[1], generator=g)
-                t = best_of([lambda: moe_gemm.linear(x, packed[name]), lambda: lin(x, w), lambda: F.linear(x, w)],
-                            args.repeats)
-                print(f"{name:<22} {m:>5} {t[0] * 1e6:>9.1f} {t[1] * 1e6:>9.1f} {t[2] * 1e6:>9.1f} "
-                      f"{min(t[1], t[2]) / t[0]:>15.2f}x", flush=True)
-
     E, H, I, k = 32, 1024, 256, 4
     gu, down = torch.randn(E, 2 * I, H, generator=g) * 0.03, torch.randn(E, H, I, generator=g) * 0.03
     experts = moe_gemm.pack_experts(gu, down)

@@ -10,8 +10,7 @@ products rounded, summed in slot order, + an optional addend: torch's combine, b
 `extra` stack (a shared expert's chunks) runs as expert ids past the stack's.
 `pack_experts_bf16_dot` packs for bf16 dot products instead (Engine(dtype="bfloat16"): csrc/gemm_bf16dot.c's
 di_moe_experts_bf16dot, the dense bf16-dot GEMM's tiles per expert group, same call and combine).
-`pack_linear` / `linear` are a plain projection x @ W.T on the same register tile
-(for the MoE models' other projections on CPUs where the shared panel GEMM's tile spills). Each output element is one multiply-add chain over k in order, so a pair's result
+Each output element is one multiply-add chain over k in order, so a pair's result
 does not depend on which other tokens share its expert (batch-invariant).
 """
 
@@ -33,8 +32,6 @@ def _configure(lib) -> None:
         fn.argtypes = [fp, i64, i64, i64, fp, i64, fp, fp, i64, fp, fp, i64, i64, fp, fp, i64, fp, fp, i64, fp, i64]
         fn.restype = ctypes.c_int
     lib.di_moe_nr.restype = ctypes.c_int
-    lib.di_panel_linear_f32.argtypes = [fp, i64, i64, fp, i64, i64, fp, i64]
-    lib.di_panel_linear_f32.restype = ctypes.c_int
     lib.di_moe_set_dynamic.argtypes = [ctypes.c_int]
     lib.di_moe_set_dynamic.restype = None
     lib.di_moe_set_prefetch_next.argtypes = [ctypes.c_int]
@@ -258,39 +255,6 @@ def moe_experts_reference(x: torch.Tensor, idx: torch.Tensor, gate_up: torch.Ten
     gu = torch.einsum("th,tkoh->tko", x, gate_up[idx])
     act = F.silu(gu[..., :i]) * gu[..., i:]
     return torch.einsum("tki,tkhi->tkh", act, down[idx])
-
-
-@dataclass(frozen=True)
-class PackedLinear:
-    """W [N, K] in panels [ceil(N / NR), K, NR] (zero-padded past N)."""
-
-    panels: torch.Tensor
-    out_features: int
-    in_features: int
-
-
-def pack_linear(w: torch.Tensor, huge: bool = True) -> PackedLinear:
-    """W [N, K] (float32 CPU) -> PackedLinear (a copy, huge-page-advised when huge) for `linear`."""
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
-            or 0 in w.shape:
-        raise KernelInputError(f"pack_linear: w must be a non-empty float32 CPU tensor [N, K], got "
-                               f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
-    p = _panels(w.unsqueeze(0), panel_width())[0].contiguous()
-    return PackedLinear(huge_pages.copy(p) if huge else p, w.shape[0], w.shape[1])
-
-
-def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N]; every output one multiply-add chain over k in order (row-invariant)."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or x.shape[1] != packed.in_features:
-        raise KernelInputError(f"linear: x must be float32 CPU [M, {packed.in_features}], got "
-                               f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    if x.stride(1) != 1 or x.stride(0) < packed.in_features:
-        x = x.contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, packed.out_features, dtype=torch.float32)
-    if m == 0:
-        return y
     rc = _lib().di_panel_linear_f32(x.data_ptr(), x.stride(0), m, packed.panels.data_ptr(), packed.in_features,
                                     packed.out_features, y.data_ptr(), packed.out_features)
     if rc != 0:

@@ -349,7 +349,4 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
                 # the kernel's panels are its one copy from here on (GatedMLP.forward runs only the kernel)
                 m.gate_up_weight.data = placeholder(tuple(gu.shape))
                 m.down_weight.data = placeholder(tuple(dn.shape))
-        from deepinfer.engine.native_projections import install_native_projections
-
-        install_native_projections(model)  # MLA's projections and the routers, on the same tile
     return n

@@ -83,7 +83,7 @@ def _layer(layer, kv, weight, rot, panels: bool) -> StackLayer | None:
     """The stack's view of one decoder layer and its cache, or None where the stack does not compute
     it as the per-op path does."""
     attn, mlp = layer.self_attn, layer.mlp
-    if type(layer) is not DecoderLayer or len(attn.kernels) or attn.rotary is not rot:
+    if type(layer) is not DecoderLayer or attn.rotary is not rot:
         return None
     mla = None
     if type(attn) is MlaAttention and panels and len(kv) == 1:  # the latent cache, one tensor
@@ -128,7 +128,7 @@ def _moe(block: MoeBlock, weight) -> StackMoe | None:
     kernel, m = block.expert_kernel, block.moe
     if (type(block).forward is not MoeBlock.forward or type(block).route is not MoeBlock.route
             or block.dispatcher is not None or block._global_to_local is not None
-            or block.router_kernel is not None or block.route_kernel is not moe_route.route
+            or block.route_kernel is not moe_route.route
             or type(kernel) is not NativeExperts or kernel._kernel is not moe_gemm.moe_experts
             or block.gate_weight.dtype != torch.float32):
         return None

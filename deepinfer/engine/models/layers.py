@@ -122,19 +122,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        # "qkv" / "o" -> module x -> x @ W.T replacing meta.linear for that weight (the bias added
-        # after); installed at load for MoE models on AVX2 CPUs (engine/native_projections.py)
-        self.kernels = nn.ModuleDict()
-
-    def _proj(self, name: str, x: torch.Tensor, w: torch.Tensor, b, meta: ForwardContext) -> torch.Tensor:
-        if name not in self.kernels:
-            return meta.linear(x, w, b)
-        y = self.kernels[name](x)
-        return y + b if b is not None else y
 
     def forward(self, rope, x, meta: ForwardContext, kv_cache, keep: torch.Tensor | None = None) -> torch.Tensor:
         """keep: return only these rows' outputs (every row's K and V still goes to the cache)."""
-        qkv = self._proj("qkv", x, self.qkv_weight, self.qkv_bias, meta)
+        qkv = meta.linear(x, self.qkv_weight, self.qkv_bias)
         T = x.shape[0]
         k_cache, v_cache = kv_cache
         if meta.rope_store_kv is not None:
@@ -144,7 +135,7 @@ class Attention(nn.Module):
             q = meta.rope_store_kv(qkv, self.n_heads, self.n_kv, rope[0], rope[1], meta.slot_mapping, k_cache, v_cache,
                                    **norms)
             o = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
-            return self._proj("o", _rows(o.reshape(T, self.q_size), keep), self.o_weight, None, meta)
+            return meta.linear(_rows(o.reshape(T, self.q_size), keep), self.o_weight, None)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         if self.q_norm is None:
             # q and k are adjacent in the fused projection: rotate both heads at once
@@ -155,10 +146,10 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim))
             q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self._proj("o", _rows(o.reshape(T, self.q_size), keep), self.o_weight, None, meta)
+        return meta.linear(_rows(o.reshape(T, self.q_size), keep), self.o_weight, None)
 
     def linear_weights(self) -> list[torch.Tensor]:
-        return [w.data for n, w in (("qkv", self.qkv_weight), ("o", self.o_weight)) if n not in self.kernels]
+        return [self.qkv_weight.data, self.o_weight.data]
 
     def load(self, p: str, take, put) -> None:
         """p: 'model.layers.{i}.self_attn.'"""

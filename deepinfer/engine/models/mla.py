@@ -17,10 +17,6 @@ the batch-invariant mode holds; otherwise as one torch.bmm each way: on CUDA alw
 PER_HEAD_MIN_ROWS rows and not on the native panels (where `absorb_per_head` keeps the decode
 stack's way). On CPU with the native norms the rope parts and the cache entries are one native call
 (native.mla_rope_latent), the one the decode stack makes.
-
-`set_projection_kernels` (engine/native_projections.py, CPU fp32 MoE models) moves the q / kv down
-projections (fused into one GEMM: both read x), q_b and o off ForwardContext.linear onto callables
-x -> x @ W.T (row-invariant too).
 """
 
 from __future__ import annotations
@@ -75,40 +71,15 @@ class MlaAttention(nn.Module):
         self.uv = nn.ParameterList(w(self.v_dim, self.r) for _ in range(H))
         self.o_weight = w(h, H * self.v_dim)
         self.rotary = rotary
-        # name -> module x -> x @ W.T, replacing meta.linear for that weight: "down" (q_a (or q) and
-        # kv_a stacked, [q rows; kv_a rows]), "q_b", "o"; set by set_projection_kernels
-        self.kernels = nn.ModuleDict()
         # the absorbed projections one linear per head at every row count (as the batch-invariant mode and
         # long chunks do): set by the runner on the native panels (row-invariant, and the decode stack's
         # way), so a token's bits do not depend on the step's rows or on which path computed it
         self.absorb_per_head = False
 
-    def projection_weights(self) -> dict[str, torch.Tensor]:
-        """The weights a projection kernel replaces: "down" = [q_a (or q); kv_a] stacked, "q_b", "o"."""
-        q = self.q_weight if self.q_lora is None else self.q_a_weight
-        ws = {"down": torch.cat([q.data, self.kv_a_weight.data], 0), "o": self.o_weight.data}
-        if self.q_lora is not None:
-            ws["q_b"] = self.q_b_weight.data
-        return ws
-
-    def set_projection_kernels(self, kernels: dict) -> None:
-        """kernels: a subset of projection_weights()' names -> module x -> x @ W.T ({}: meta.linear for all)."""
-        unknown = set(kernels) - {"down", "q_b", "o"}
-        if unknown:
-            raise ValueError(f"unknown MLA projection(s) {sorted(unknown)}")
-        self.kernels = nn.ModuleDict(kernels)
-
     def _down(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_a(x) or q(x), kv_a(x)): one GEMM when the fused kernel is installed."""
-        if "down" in self.kernels:
-            both = self.kernels["down"](x)
-            nq = both.shape[1] - (self.r + self.rope_dim)
-            return both[:, :nq], both[:, nq:]
+        """(q_a(x) or q(x), kv_a(x))"""
         q = self.q_weight if self.q_lora is None else self.q_a_weight
         return meta.linear(x, q, None), meta.linear(x, self.kv_a_weight, None)
-
-    def _proj(self, name: str, x: torch.Tensor, w: torch.Tensor, meta: ForwardContext) -> torch.Tensor:
-        return self.kernels[name](x) if name in self.kernels else meta.linear(x, w, None)
 
     def latent(self, x: torch.Tensor, rope, meta: ForwardContext, ckv: torch.Tensor | None = None) -> torch.Tensor:
         """[T, kv_lora_rank + rope]: the cache entry of each token (normed latent, rotated rope key);
@@ -138,7 +109,7 @@ class MlaAttention(nn.Module):
         T, H = x.shape[0], self.n_heads
         q, ckv = self._down(x, meta)
         if self.q_lora is not None:
-            q = self._proj("q_b", self._norm(self.q_a_layernorm, q), self.q_b_weight, meta)
+            q = meta.linear(self._norm(self.q_a_layernorm, q), self.q_b_weight, None)
         q = q.contiguous().view(T, H, self.qk)
         cache = kv_cache[0]  # [slots, 1, kv_lora_rank + rope]
         q_full = torch.empty(T, H, self.r + self.rope_dim, dtype=x.dtype, device=x.device)
@@ -173,16 +144,13 @@ class MlaAttention(nn.Module):
                 out[:, h] = meta.linear(o[:, h, : self.r], self.uv[h], None)
         else:
             out = torch.bmm(o[..., : self.r].transpose(0, 1), self.uv_stack).transpose(0, 1).contiguous()
-        return self._proj("o", out.view(T, H * self.v_dim), self.o_weight, meta)
+        return meta.linear(out.view(T, H * self.v_dim), self.o_weight, None)
 
     def linear_weights(self) -> list[torch.Tensor]:
-        # (only the weights still going through meta.linear: a kernel holds its own packed copy)
-        ws = [] if "down" in self.kernels else ([self.q_weight] if self.q_lora is None else [self.q_a_weight]) + [self.kv_a_weight]
-        if self.q_lora is not None and "q_b" not in self.kernels:
+        ws = [self.q_weight if self.q_lora is None else self.q_a_weight, self.kv_a_weight]
+        if self.q_lora is not None:
             ws.append(self.q_b_weight)
-        if "o" not in self.kernels:
-            ws.append(self.o_weight)
-        ws += [*self.uk_t, *self.uv]
+        ws += [self.o_weight, *self.uk_t, *self.uv]
         return [t.data for t in ws]
 
     def load(self, p: str, take, put) -> None:

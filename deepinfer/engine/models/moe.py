@@ -72,7 +72,6 @@ class MoeBlock(nn.Module):
         self._set_local_experts(list(range(E)) if local_experts is None else list(local_experts))
         self.expert_kernel = None  # fn(x [T, H], local ids [T, k]) -> [T, k, H], installed at load (expert_kernels.py)
         self._weights_in_kernel = False  # the expert parameters were emptied: the kernel's packed copy is the only one
-        self.router_kernel = None  # fn(x [T, H] fp32) -> x @ gate_weight.T, row-invariant (native_projections.py)
         # fn(logits, top_k, scoring, bias, n_group, topk_group, group_score, norm, scale) -> (w, ids) for
         # fp32 logits (deepinfer_kernels.moe_route.route, installed with the native experts); None: torch
         self.route_kernel = None
@@ -150,9 +149,7 @@ class MoeBlock(nn.Module):
     def route(self, x: torch.Tensor, meta: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64), slots ordered by descending choice score."""
         m = self.moe
-        if x.dtype == torch.float32 and self.router_kernel is not None:
-            logits = self.router_kernel(x)
-        elif x.dtype == torch.float32:
+        if x.dtype == torch.float32:
             logits = meta.linear(x, self.gate_weight, None)  # packed (and row-invariant) on CPU
         else:
             logits = F.linear(x.float(), self.gate_weight)
@@ -280,7 +277,7 @@ class MoeBlock(nn.Module):
     # ---- weights --------------------------------------------------------------------------------
     def linear_weights(self) -> list[torch.Tensor]:
         # (the experts' weights only while they go through ForwardContext.linear, not the expert kernel)
-        ws = [self.gate_weight.data] if self.router_kernel is None else []
+        ws = [self.gate_weight.data]
         ws += [w.data for w in self.expert_down] if self.expert_kernel is None else []
         if self.shared is not None:
             ws += self.shared.linear_weights()
