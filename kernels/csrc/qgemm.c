@@ -14,9 +14,9 @@
  *  - int8 (DI_Q_INT8): the activations quantised per 32-block to int8 (scale max|x| / 127, one per
  *    block, by di_q8_quantize_rows), exact integer dot products per block (AVX2 maddubs/madd, or VNNI),
  *    scaled and summed in fp32, as llama.cpp does (qgemm_i8.c).
- * Instruction set chosen at run time: AVX2 + FMA + F16C where the CPU has them (checked with
- * __builtin_cpu_supports), else portable scalar C; `level` 0 forces the scalar code (tests). Where
- * the CPU also has AVX-512 (di_q_cpu_level() 2) the exact 32-element row kernels run in zmm with the
+ * Instruction set chosen at run time from the CPU level in force (cpu_level.h, set by
+ * deepinfer_kernels.cpu): AVX2 + FMA + F16C from level 1, else portable scalar C; `level` 0 forces the
+ * scalar code (tests). At level 2 (AVX-512) the exact 32-element row kernels run in zmm with the
  * AVX2 code's bits (below), and the int8 dot uses VNNI (qgemm_avx2.h); di_q_set_level_cap(1) forces
  * the AVX2 code (tests, side-by-side measurements).
  */

@@ -13,7 +13,8 @@
  * per output, so a row's result does not depend on the batch here, but it is not the row kernels'
  * order, so the bits differ from those of small M. The batch-invariant mode does not use it.
  *
- * Where di_q_cpu_level() is 2 (AVX-512) the kernel below (outer512) runs instead, with the same bits
+ * Up to SWAP_M2 rows an AVX2 kernel in outer512's design (outer_avx2, below) runs instead. Where
+ * di_q_cpu_level() is 2 (AVX-512) the kernel below (outer512) runs at every M, with the same bits
  * (tests/kernels/test_quant_levels.py). On the 2-core AVX-512 Zen 5 host, 2 threads, medians
  * (benchmarks/quant_outer_m.py), it took 1.7-2.3x less time than this AVX2 tile on SmolLM2's shapes at
  * 32-640 rows and ran at 0.90-1.12x the fp32 engine's GEMM on the same weights (fp32 / outer at 32, 128,
@@ -142,6 +143,106 @@ AVX2 static void transpose_x(const float *x, int64_t ldx, int64_t M, int64_t k0,
     }
 }
 
+/* ---- AVX2 at few rows: outer512's roles in ymm --------------------------------------------------------
+ * Up to SWAP_M2 rows the panel's transpose is a cost the rows do not repay, so here, as in outer512, x
+ * is transposed once per call and 12 weight rows at a time are dequantised into a row buffer;
+ * tile2(wr, xv) is wr weight rows by xv vectors of 8 x rows (12 ymm accumulators: 4 x 3, 6 x 2 or
+ * 12 x 1): per k xv loads of xT and wr broadcasts of one dequantised weight feed wr * xv FMAs. One FMA
+ * chain per output over k = 0 .. K-1 from 0, as in both kernels above: the same bits, so which of the
+ * two runs (by M) does not change a row. Zen 4 under DEEPINFER_CPU=avx2, 2 threads, medians
+ * (benchmarks/quant_outer_m.py's shapes): time of the panel kernel over this one at 16 / 32 / 48 / 64 /
+ * 128 rows: qkv 1.24 / 1.07 / 1.00 / 1.01 / 0.95, gate_up 1.15 / 1.12 / 1.02 / 1.02 / 0.98, down 1.17 /
+ * 1.02 / 0.98 / 0.95 / 0.92, Q8_0 LM head 1.14 / 1.09 / 1.02 / 1.01 / 0.93: past ~48 rows the panel
+ * kernel's L1-resident [KC][16] block wins (this one reads its 24-row slice of xT from L2 per tile). */
+#define SWAP_M2 48
+#define WR2 12
+#define XB2_BYTES (256 << 10) /* xT bytes per pass over the weights (Zen 3's L2 is 512 KB a core) */
+
+AVX2 static inline __attribute__((always_inline)) void tile2(const int wr, const int xv, const float *w, int64_t K,
+                                                              const float *xT, int64_t ldt, int mr, int nj, float *y,
+                                                              int64_t ldy) {
+    __m256 acc[WR2][3];
+    for (int j = 0; j < wr; ++j)
+        for (int c = 0; c < xv; ++c) acc[j][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        __m256 xk[3];
+        for (int c = 0; c < xv; ++c) xk[c] = _mm256_load_ps(xT + k * ldt + 8 * c);
+        for (int j = 0; j < wr; ++j) {
+            const __m256 wb = _mm256_broadcast_ss(w + j * K + k);
+            for (int c = 0; c < xv; ++c) acc[j][c] = _mm256_fmadd_ps(wb, xk[c], acc[j][c]);
+        }
+    }
+    float t[WR2][24] __attribute__((aligned(32)));
+    for (int j = 0; j < wr; ++j)
+        for (int c = 0; c < xv; ++c) _mm256_store_ps(t[j] + 8 * c, acc[j][c]);
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nj; ++j) y[r * ldy + j] = t[j][r];
+}
+
+/* one group's nj (<= WR2) dequantised rows (wb, K apart) against xT rows [m0, m1) */
+AVX2 static void group2(const float *wb, int64_t K, const float *xT, int64_t ldt, int64_t m0, int64_t m1, int nj,
+                        float *y, int64_t ldy) {
+    for (int64_t r = m0; r < m1;) {
+        /* vectors of 8 rows left: tiles of 3, but 4 as 2 + 2 and 2 as one of 2 (a lone 1-vector tile
+         * needs a load per FMA) */
+        const int64_t rv = (m1 - r + 7) / 8;
+        const int xv = rv == 1 ? 1 : rv == 2 || rv == 4 ? 2 : 3;
+        const int mr = m1 - r < 8 * xv ? (int)(m1 - r) : 8 * xv;
+        float *yr = y + r * ldy;
+        const float *xr = xT + r;
+        r += mr;
+        switch (xv) {
+        case 3:
+            for (int j = 0; j < nj; j += 4)
+                tile2(4, 3, wb + j * K, K, xr, ldt, mr, nj - j < 4 ? nj - j : 4, yr + j, ldy);
+            break;
+        case 2:
+            for (int j = 0; j < nj; j += 6)
+                tile2(6, 2, wb + j * K, K, xr, ldt, mr, nj - j < 6 ? nj - j : 6, yr + j, ldy);
+            break;
+        default: tile2(WR2, 1, wb, K, xr, ldt, mr, nj, yr, ldy); break;
+        }
+    }
+}
+
+AVX2 static int outer_avx2(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
+                           int64_t N, int64_t K, float *y, int64_t ldy) {
+    const int64_t ldt = (M + 7) / 8 * 8, groups = (N + WR2 - 1) / WR2;
+    int64_t mb = XB2_BYTES / (4 * K) / 24 * 24;
+    if (mb < 24) mb = 24;
+    float *xT = aligned_alloc(64, ((size_t)(K * ldt) * sizeof(float) + 63) / 64 * 64);
+    if (!xT) return 1;
+    const int par = groups > 1 && M * N * K >= 32768;
+    int failed = 0;
+#pragma omp parallel if (par)
+    {
+#pragma omp for schedule(static)
+        for (int64_t k0 = 0; k0 < K; k0 += 32) transpose_x(x, ldx, M, k0, k0 + 32 < K ? k0 + 32 : K, xT, ldt);
+        float *wb = aligned_alloc(64, (size_t)(WR2 * K) * sizeof(float));
+        if (!wb) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = M - m0 < mb ? M : m0 + mb;
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; ++g) {
+                if (!wb) continue;
+                const int64_t n0 = g * WR2;
+                const int nj = N - n0 < WR2 ? (int)(N - n0) : WR2;
+                for (int j = 0; j < WR2; ++j) {
+                    if (j < nj) di_q_dequant_row(fmt, 1, w + (n0 + j) * row_bytes, K, wb + j * K);
+                    else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
+                }
+                group2(wb, K, xT, ldt, m0, m1, nj, y + n0, ldy);
+            }
+        }
+        free(wb);
+    }
+    free(xT);
+    return failed;
+}
+
 AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
                            int64_t N, int64_t K, float *y, int64_t ldy) {
     const int64_t ldt = (M + 15) / 16 * 16, groups = (N + WR - 1) / WR;
@@ -192,6 +293,7 @@ int di_qgemm_outer(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int
     const int be = di_q_block_elems(fmt), level = di_q_cpu_level();
     if (!be || K % be || K % 32 || level < 1) return 1;
     if (level >= 2) return outer512(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
+    if (M <= SWAP_M2) return outer_avx2(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
     const int64_t panels = (N + ON - 1) / ON;
     int failed = 0;
 #pragma omp parallel if (panels > 1 && M * N * K >= 32768)

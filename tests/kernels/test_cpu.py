@@ -92,7 +92,7 @@ _PROBE = """
 """
 
 
-@pytest.mark.skipif(not cpu.at_least("avx2") or not cpu.info().x86, reason="the CPU lacks AVX2: no lower level to force but generic")
+@pytest.mark.skipif(cpu.info().detected == "generic", reason="the CPU lacks AVX2 + FMA + F16C: no level to force but generic")
 def test_forced_levels_run_their_own_build_and_hold_torch_to_them():
     here = cpu.info().detected
     avx2 = _run(_PROBE, DEEPINFER_CPU="avx2")

@@ -82,7 +82,7 @@ def test_gated_linear(m, n, k):
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_fallback_is_bit_identical_to_vdpbf16ps(m, n, k, fallback):
     if native.bf16_dot_level() == 0:
-        pytest.skip("this CPU lacks AVX512_BF16: only the fallback runs here (compared with the emulation above)")
+        pytest.skip("the CPU level lacks AVX512_BF16: only the fallback runs here (compared with the emulation above)")
     x, w, b = _case(m, 2 * n, k, 7 * m + n + k)
     pw, pg = native.pack_weight(w, bf16_dot=True), native.pack_gated_weight(w, bf16_dot=True)
     assert torch.equal(fallback(native.linear, x, pw, b), native.linear(x, pw, b))

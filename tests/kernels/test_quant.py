@@ -77,7 +77,7 @@ def test_avx2_and_scalar_agree(fmt):
     AVX2 groups of 8 weight rows, their single-row tail and the scalar code). 45 rows = chunks of 16,
     16, 13: groups of 8 and tails of 5."""
     if 1 not in LEVELS:
-        pytest.skip("no AVX2 on this CPU")
+        pytest.skip("the CPU level lacks AVX2 + FMA + F16C: only the scalar code runs here")
     gen = torch.Generator().manual_seed(5)
     qw = quant.pack(torch.randn(45, 256, generator=gen), fmt)
     x = torch.randn(5, 256, generator=gen)

@@ -12,7 +12,7 @@ from deepinfer_kernels import KernelInputError, quant
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels did not build")
 needs_bf16 = pytest.mark.skipif(not quant.available() or quant.cpu_level() < 3,
-                                reason="this CPU lacks AVX512_BF16: qlinear_bf16 runs the exact outer kernel")
+                                reason="the CPU level lacks AVX512_BF16: qlinear_bf16 runs the exact outer kernel")
 
 FMTS = [quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.Q4_K, quant.Q6_K]
 

@@ -86,7 +86,7 @@ def test_kernels_vs_dequantised_reference(fmt, m, level):
 @pytest.mark.parametrize("fmt", KFMTS)
 def test_avx2_and_scalar_agree(fmt):
     if 1 not in LEVELS:
-        pytest.skip("no AVX2 on this CPU")
+        pytest.skip("the CPU level lacks AVX2 + FMA + F16C: only the scalar code runs here")
     gen = torch.Generator().manual_seed(5)
     qw = quant.pack(torch.randn(33, 768, generator=gen), fmt)
     x = torch.randn(5, 768, generator=gen)
@@ -111,7 +111,7 @@ def test_batch_invariant(fmt, mode):
 def test_panel_kernel_is_bit_identical_to_the_row_kernel(fmt):
     """Many rows run the panel kernel; its bits equal the row kernel's for every M, N % 3, odd M, strided x."""
     if 1 not in LEVELS:
-        pytest.skip("the panel kernel is AVX2-only")
+        pytest.skip("the CPU level lacks AVX2 + FMA + F16C: the panel kernel is AVX2 code")
     gen = torch.Generator().manual_seed(fmt)
     k = 512
     for n in (30, 31, 32):

@@ -19,7 +19,7 @@ def _level() -> int:
     return quant.cpu_level()
 
 
-avx512_only = pytest.mark.skipif(_level() < 2, reason="this CPU lacks AVX-512 F/BW/DQ/VL (or the native "
+avx512_only = pytest.mark.skipif(_level() < 2, reason="the CPU level lacks AVX-512 F/BW/DQ/VL (or the native "
                                                       "kernels did not build): only the AVX2 code runs here")
 
 

@@ -10,7 +10,7 @@ import torch
 from deepinfer_kernels import quant
 
 pytestmark = pytest.mark.skipif(not quant.available() or quant.cpu_level() < 1,
-                                reason="the outer-product kernel needs the native library and AVX2")
+                                reason="the outer-product kernel needs the native library at the avx2 CPU level or above")
 
 FMTS = [quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.Q4_K, quant.Q6_K]
 
@@ -37,6 +37,22 @@ def test_outer_matches_reference_and_rows_do_not_depend_on_the_batch(fmt):
     wide = torch.zeros(23, qw.k + 32)
     wide[:, :qw.k] = x
     assert torch.equal(quant.qlinear_outer(wide[:, :qw.k], qw, bias), full)
+
+
+@pytest.mark.parametrize("fmt", [quant.Q4_1, quant.Q8_0, quant.Q6_K])
+def test_outer_rows_keep_their_bits_across_the_few_row_kernel_switch(fmt):
+    # AVX2 runs a roles-swapped kernel up to 48 rows and the panel kernel past it (AVX-512 one kernel at
+    # every M): a row's bits must not depend on which ran it, nor on the row tile it fell in there
+    gen = torch.Generator().manual_seed(fmt + 99)
+    k = 544 if quant.FORMATS[fmt][2] == quant.QK else 768
+    qw = quant.pack(torch.randn(29, k, generator=gen) * 0.1, fmt)  # N = 29: two groups of 12 and a part
+    x = torch.randn(100, k, generator=gen)
+    full = quant.qlinear_outer(x, qw)
+    for m in (1, 8, 9, 16, 24, 31, 32, 40, 47, 48, 49, 64):
+        assert torch.equal(quant.qlinear_outer(x[:m], qw), full[:m]), m
+    assert torch.equal(quant.qlinear_outer(x[40:60], qw), full[40:60])
+    ref = x.double() @ quant.dequantize_reference(qw).double().T
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_outer_one_full_panel_and_zero_rows():

@@ -12,7 +12,7 @@ import torch
 from deepinfer_kernels import quant
 
 pytestmark = pytest.mark.skipif(not quant.available() or quant.cpu_level() < 2,
-                                reason="the wide tiles run where the CPU has AVX-512 (and the native kernels built)")
+                                reason="the wide tiles run at the avx512 CPU level (AVX-512 F/BW/DQ/VL, native kernels built)")
 
 FMTS = [quant.Q4_0, quant.Q4_1, quant.Q8_0]
 
