@@ -9,6 +9,11 @@ class InvalidRequestError(DeepInferError, ValueError):
     """A request (prompt or sampling parameters) is malformed; raised at submission."""
 
 
+class UnknownParameterError(InvalidRequestError, TypeError):
+    """A keyword names no parameter (e.g. SamplingParams(n=2)). Also a TypeError: that is what
+    Python raises for an unexpected keyword argument, so code that caught it keeps working."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus max_tokens where it matters) does not fit the model's context."""
 

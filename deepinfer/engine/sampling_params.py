@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import math
 import numbers
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.errors import InvalidRequestError
+from deepinfer.errors import InvalidRequestError, UnknownParameterError
 
 
 @dataclass
@@ -176,4 +179,50 @@ class SamplingParams:
 _INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
 _OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
-_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "json_object")
+# complete_within_budget too: the string "no" is truthy and would turn the budget guard on
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "json_object",
+                "complete_within_budget")
+
+
+# ---- unknown fields -------------------------------------------------------------------------
+# The dataclass __init__ answers SamplingParams(n=2) with a bare TypeError, while every bad value
+# is an InvalidRequestError naming its field; request dicts reach here as **kwargs, so an unknown
+# key is a caller's mistake like any other. The wrapper costs nothing on the good path: the names
+# are checked only after the generated __init__ has refused the call.
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# names that other APIs give to something this project spells or places differently
+_FIELD_HINTS = {
+    "n": "one request is one sample; for k samples use gen(..., n=k) in a program, \"n\" in an OpenAI "
+         "batch request body, or submit the prompt k times with different seeds",
+}
+
+
+def _unknown_fields_error(kwargs: dict[str, Any]) -> UnknownParameterError | None:
+    unknown = [k for k in kwargs if k not in _FIELD_NAMES]
+    if not unknown:
+        return None
+    parts = []
+    for k in unknown:
+        hint = _FIELD_HINTS.get(k)
+        if hint is None:
+            close = difflib.get_close_matches(k, _FIELD_NAMES, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else None
+        parts.append(f"unknown field {k!r}" + (f" ({hint})" if hint else ""))
+    return UnknownParameterError("SamplingParams: " + "; ".join(parts))
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)  # keeps the generated signature for inspect and editors
+def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    try:
+        _dataclass_init(self, *args, **kwargs)
+    except TypeError:
+        err = _unknown_fields_error(kwargs)
+        if err is None:  # not an unknown keyword (too many positionals, a TypeError in a check)
+            raise
+        raise err from None
+
+
+SamplingParams.__init__ = _init  # type: ignore[method-assign]

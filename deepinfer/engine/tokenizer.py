@@ -28,6 +28,11 @@ _END_OF_TURN_TOKENS = (
 # Document-end tokens that always stop generation when the vocabulary marks them special.
 _ALWAYS_EOS_TOKENS = ("<|endoftext|>",)
 
+# The roles a message may have: the OpenAI chat roles that HF chat templates are written for.
+# Most templates (ChatML, Llama-3) print message['role'] verbatim as the turn header, so a typo
+# ("assitant") or a made-up role would reach the model, silently, as a turn it was never trained on.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 _TOKENIZER_CONFIG = "tokenizer_config.json"
 _TOKENIZER_JSON = "tokenizer.json"
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -341,8 +346,12 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise InvalidRequestError(f"message {n} must be a dict, got {type(m).__name__}")
         role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequestError(f"message {n} has no 'role' (a non-empty string is required)")
+        if role is None:
+            raise InvalidRequestError(f"message {n} has no 'role' (one of {', '.join(CHAT_ROLES)} is required)")
+        if not isinstance(role, str):
+            raise InvalidRequestError(f"message {n}: 'role' must be a string, got {role!r} ({type(role).__name__})")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(f"message {n} has unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
         if "content" not in m and not m.get("tool_calls"):
             raise InvalidRequestError(f"message {n} (role {role!r}) has no 'content'")
         content = m.get("content")

@@ -255,7 +255,10 @@ class GrammarCompiler:
                     self.stats["invalid_specs"] += 1
                 raise
             except GrammarError as e:
-                errors.append(f"{name}: {e}")
+                # most backend errors name their backend already ("invalid regex (xgrammar): ..."):
+                # a second "xgrammar: " in front would say it twice
+                msg = str(e)
+                errors.append(msg if f"({name})" in msg or msg.startswith(f"{name}:") else f"{name}: {msg}")
                 continue
             except Exception as e:  # a backend bug must not hide behind another backend silently
                 errors.append(f"{name}: unexpected {type(e).__name__}: {e}")

@@ -14,6 +14,9 @@ import llguidance as llg
 import numpy as np
 import llguidance.torch as llg_torch
 import torch
+# the converter function, not `llg.gbnf_to_lark`: that name is the submodule (llguidance 1.x
+# does not re-export the function), and calling it fails with "'module' object is not callable"
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, CompiledGrammar, GrammarBackend, GrammarMatcher
@@ -136,7 +139,7 @@ class LLGuidanceBackend(GrammarBackend):
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.text)
         if spec.kind == "ebnf":
-            return llg.LLMatcher.grammar_from_lark(llg.gbnf_to_lark(spec.text))
+            return llg.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.text))
         if spec.kind == "choices":
             alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec.text))
             return llg.LLMatcher.grammar_from_lark(f"start: {alts}")
@@ -148,7 +151,7 @@ class LLGuidanceBackend(GrammarBackend):
             is_err, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         except GrammarError:
             raise
-        except Exception as e:  # gbnf_to_lark / grammar_from_* raise ValueError on malformed input
+        except Exception as e:  # gbnf_to_lark (GbnfToLarkError) / grammar_from_* (ValueError) on malformed input
             raise GrammarError(f"{_PROBLEM.get(spec.kind, 'invalid grammar')} (llguidance): {e}") from e
         if is_err:
             msg = messages[0].strip().splitlines()[0] if messages else "rejected"

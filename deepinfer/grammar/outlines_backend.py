@@ -206,7 +206,7 @@ class OutlinesCompiled(CompiledGrammar):
 
 
 class OutlinesBackend(GrammarBackend):
-    """Regex-based backend over outlines-core. EBNF is not supported."""
+    """Regex-based backend over outlines-core. EBNF is not supported (xgrammar and llguidance serve it)."""
 
     name = "outlines"
 
@@ -250,7 +250,7 @@ class OutlinesBackend(GrammarBackend):
                 return oc.json_schema.build_regex_from_schema(spec.text)
             except Exception as e:
                 raise GrammarError(f"invalid JSON schema (outlines): {e}") from e
-        raise GrammarError(f"unsupported grammar kind {spec.kind!r} for outlines (EBNF needs xgrammar)")
+        raise GrammarError(f"unsupported grammar kind {spec.kind!r} for outlines (EBNF needs xgrammar or llguidance)")
 
     def compile(self, spec: GrammarSpec) -> OutlinesCompiled:
         regex = self.regex_for(spec)

@@ -221,9 +221,10 @@ class TraceState:
     # ------------------------------------------------------------------ reading
     def __getitem__(self, name: str) -> Any:
         if name not in self._vars:
-            file, line = _user_line()
+            # no location in the message: CheckFailure records the program line, and whoever
+            # reports the error puts it in front (check_graph: "file, line N: ...")
             raise CheckFailure(InvalidRequestError(
-                f"line {line}: the program reads variable {name!r}, which no earlier gen, select or "
+                f"the program reads variable {name!r}, which no earlier gen, select or "
                 f"assignment defines (defined: {sorted(self._vars)})"))
         kind, value, _ = self._vars[name]
         self._rec.add("read", self._branch, name=name)

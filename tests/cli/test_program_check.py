@@ -42,6 +42,7 @@ def test_static_program_errors_exit_2_naming_the_line(tmp_path, name, line, msg)
     r = _run(tmp_path, name, [{"id": 1, "text": "hi"}])
     assert r.returncode == 2, r.stderr
     assert f"line {line}" in r.stderr and msg in r.stderr and "ModelLoadError" not in r.stderr
+    assert r.stderr.count(f"line {line}") == 1, r.stderr  # was "line 12: line 12: ..." for 'undefined'
 
 
 def test_an_error_that_depends_on_the_record_is_left_to_that_record(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import textwrap
 import pytest
 
 from deepinfer import Engine, InvalidRequestError, SamplingParams
-from deepinfer.errors import GrammarError
+from deepinfer.errors import GrammarError, UnknownParameterError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -123,6 +125,7 @@ def test_mixed_batches_are_read_per_element(eng, prompts, kinds):
         (dict(prompt_logprobs=1.0), "prompt_logprobs"),
         (dict(ignore_eos=1), "ignore_eos"),
         (dict(json_object="yes"), "json_object"),
+        (dict(complete_within_budget="no"), "complete_within_budget"),
         (dict(skip_special_tokens=None), "skip_special_tokens"),
         (dict(regex=5), "regex"),
         (dict(grammar=["root ::= x"]), "grammar"),
@@ -132,6 +135,28 @@ def test_mixed_batches_are_read_per_element(eng, prompts, kinds):
 def test_sampling_params_types_are_strict(kw, field):
     with pytest.raises(InvalidRequestError, match=rf"SamplingParams: {field} must be"):
         SamplingParams(**kw)
+
+
+def test_sampling_params_unknown_fields_are_typed_errors():
+    """An unknown field used to be the dataclass's bare TypeError; now it is an InvalidRequestError
+    naming the field (still a TypeError, as Python's own unexpected-keyword error is)."""
+    n_hint = r"SamplingParams: unknown field 'n' \(.*gen\(\.\.\., n=k\)"  # names where n is supported
+    with pytest.raises(UnknownParameterError, match=n_hint) as info:
+        SamplingParams(n=2)
+    assert isinstance(info.value, InvalidRequestError) and isinstance(info.value, TypeError)
+    with pytest.raises(InvalidRequestError, match=r"unknown field 'temprature' \(did you mean 'temperature'\?\)"):
+        SamplingParams(temprature=0.5)
+    with pytest.raises(InvalidRequestError, match=r"unknown field 'max_new_tokens' \(did you mean 'max_tokens'\?\); "
+                                                  r"unknown field 'zzz'$"):
+        SamplingParams(max_tokens=2, max_new_tokens=3, zzz=1)
+    with pytest.raises(UnknownParameterError, match="unknown field 'n'"):  # replace goes through __init__
+        dataclasses.replace(SamplingParams(), n=2)
+    # the good path is the generated __init__: values, checks and the signature are unchanged
+    p = dataclasses.replace(SamplingParams(temperature=0, max_tokens=5), max_tokens=3)
+    assert (p.temperature, p.max_tokens) == (0.0, 3)
+    assert list(inspect.signature(SamplingParams).parameters)[:2] == ["max_tokens", "min_tokens"]
+    with pytest.raises(InvalidRequestError, match="SamplingParams: temperature must be"):
+        SamplingParams(temperature="hot")
 
 
 def test_sampling_params_accept_and_normalise_good_numbers():

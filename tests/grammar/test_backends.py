@@ -89,6 +89,71 @@ num ::= [1-9] [0-9]{0,2}
         eval(text)  # a well-formed arithmetic expression
 
 
+def test_llguidance_compiles_ebnf(llg_compiler, llg_walker, smol_eos):
+    """llguidance serves GBNF-style EBNF itself (via its GBNF-to-Lark converter): it used to call
+    the `llguidance.gbnf_to_lark` submodule as if it were the function, so every EBNF spec failed
+    with "'module' object is not callable" and never reached llguidance."""
+    pytest.importorskip("llguidance")
+    c = llg_compiler
+    grammar = r'''
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= num | "(" expr ")"
+num ::= [1-9] [0-9]{0,2}
+'''
+    compiled, served = c.compile(spec_from_params(grammar=grammar))
+    assert served == "llguidance"
+    for seed in range(4):
+        text, done = llg_walker.run(compiled.new_matcher(), seed)
+        assert done
+        assert re.fullmatch(r"[-+()0-9]+", text) and text.count("(") == text.count(")")
+        eval(text)  # a well-formed arithmetic expression
+
+    tid = c.tokenizer.token_to_id
+    mask = allocate_token_bitmask(1, c.vocab_size)
+
+    def allowed(m) -> set[int]:
+        m.fill_bitmask(mask, 0)
+        return set(allowed_token_ids(mask[0], c.vocab_size).tolist())
+
+    m = compiled.new_matcher()
+    first = allowed(m)
+    assert tid("(") in first and tid("7") in first
+    assert tid(")") not in first and tid("0") not in first and tid("x") not in first and smol_eos not in first
+    assert not m.accept_token(tid(")"))  # refused, state unchanged
+    assert not m.accept_token(tid("0"))  # num starts with [1-9]
+    for s in ["(", "1", "2", "+", "3"]:
+        assert m.accept_token(tid(s)), s
+    assert not m.can_terminate() and smol_eos not in allowed(m)  # "(12+3" is unbalanced
+    assert tid(")") in allowed(m)
+    assert m.accept_token(tid(")"))
+    assert m.can_terminate() and smol_eos in allowed(m)  # "(12+3)" is in the language
+    assert not m.accept_token(tid("("))  # no implicit product: "(12+3)(" cannot continue
+
+
+def test_llguidance_rejects_invalid_ebnf(llg_compiler):
+    pytest.importorskip("llguidance")
+    with pytest.raises(GrammarError, match="invalid EBNF") as e:
+        llg_compiler.compile(spec_from_params(grammar="root ::= foo"))  # foo is never defined
+    assert "not callable" not in str(e.value)  # the grammar's fault, not the converter call's
+    # the backend named once (was "llguidance: invalid EBNF (llguidance): ...")
+    assert str(e.value).startswith("invalid EBNF (llguidance): "), str(e.value)
+
+
+def test_gbnf_empty_alternative_is_served(compiler):
+    """GBNF allows an empty alternative (llama.cpp's json.gbnf: `ws ::= | " " | ...`). xgrammar refuses
+    it; with the fallback llguidance, which can now compile EBNF, serves it exactly."""
+    pytest.importorskip("llguidance")
+    compiled, served = compiler.compile(spec_from_params(grammar='root ::= "a" |'))
+    assert served in ("xgrammar", "llguidance") and compiled.exact
+    tid = compiler.tokenizer.token_to_id
+    m = compiled.new_matcher()
+    assert m.can_terminate()  # "" is in the language
+    assert not m.accept_token(tid("b"))
+    assert m.accept_token(tid("a")) and m.can_terminate()
+    assert not m.accept_token(tid("a"))  # "aa" is not
+
+
 @pytest.mark.parametrize("which", BACKENDS)
 def test_eos_only_when_grammar_can_terminate(request, which, smol_eos):
     c, _ = _setup(request, which)

@@ -60,6 +60,12 @@ def test_text_content_parts_are_joined(tok):
         ("hello", "non-empty list"),
         (["hello"], "message 0 must be a dict"),
         ([{"content": "x"}], "message 0 has no 'role'"),
+        ([{"role": None, "content": "x"}], "message 0 has no 'role'"),
+        # a non-string role was reported as missing; an unknown one was rendered as a turn header
+        ([{"role": 5, "content": "x"}], r"message 0: 'role' must be a string, got 5 \(int\)"),
+        ([{"role": "user", "content": "a"}, {"role": "assitant", "content": "b"}],
+         r"message 1 has unknown role 'assitant'; expected one of system, user, assistant, tool"),
+        ([{"role": "", "content": "x"}], "message 0 has unknown role ''"),
         ([{"role": "user", "content": "a"}, {"role": "user"}], "message 1 .*has no 'content'"),
         ([{"role": "user", "content": 5}], "'content' must be a string"),
         ([{"role": "user", "content": None}], "content None"),
@@ -69,6 +75,12 @@ def test_text_content_parts_are_joined(tok):
 def test_bad_messages_raise_invalid_request(tok, messages, match):
     with pytest.raises(InvalidRequestError, match=match):
         tok.apply_chat_template(messages)
+
+
+def test_every_known_role_reaches_the_template():
+    t = _tiny("{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}")
+    msgs = [{"role": r, "content": r[0]} for r in ("system", "user", "assistant", "tool")]
+    assert t.apply_chat_template(msgs) == "system=s;user=u;assistant=a;tool=t;"
 
 
 def test_raise_exception_in_template_becomes_invalid_request():
