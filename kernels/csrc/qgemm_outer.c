@@ -13,8 +13,8 @@
  * per output, so a row's result does not depend on the batch here, but it is not the row kernels'
  * order, so the bits differ from those of small M. The batch-invariant mode does not use it.
  *
- * Up to SWAP_M2 rows an AVX2 kernel in outer512's design (outer_avx2, below) runs instead. Where
- * di_q_cpu_level() is 2 (AVX-512) the kernel below (outer512) runs at every M, with the same bits
+ * Up to SWAP_M2 rows an AVX2 kernel in the AVX-512 kernel's design (SWAPPED_AVX2, below) runs instead. Where
+ * di_q_cpu_level() is 2 (AVX-512) the kernel below (SWAPPED_512) runs at every M, with the same bits
  * (tests/kernels/test_quant_levels.py). On the 2-core AVX-512 Zen 5 host, 2 threads, medians
  * (benchmarks/quant_outer_m.py), it took 1.7-2.3x less time than this AVX2 tile on SmolLM2's shapes at
  * 32-640 rows and ran at 0.90-1.12x the fp32 engine's GEMM on the same weights (fp32 / outer at 32, 128,
@@ -143,8 +143,8 @@ AVX2 static void transpose_x(const float *x, int64_t ldx, int64_t M, int64_t k0,
     }
 }
 
-/* ---- AVX2 at few rows: outer512's roles in ymm --------------------------------------------------------
- * Up to SWAP_M2 rows the panel's transpose is a cost the rows do not repay, so here, as in outer512, x
+/* ---- AVX2 at few rows: the AVX-512 kernel's roles in ymm --------------------------------------------------------
+ * Up to SWAP_M2 rows the panel's transpose is a cost the rows do not repay, so here, as in the AVX-512 kernel, x
  * is transposed once per call and 12 weight rows at a time are dequantised into a row buffer;
  * tile2(wr, xv) is wr weight rows by xv vectors of 8 x rows (12 ymm accumulators: 4 x 3, 6 x 2 or
  * 12 x 1): per k xv loads of xT and wr broadcasts of one dequantised weight feed wr * xv FMAs. One FMA
@@ -205,53 +205,37 @@ AVX2 static void group2(const float *wb, int64_t K, const float *xT, int64_t ldt
     }
 }
 
-AVX2 static int outer_avx2(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
-                           int64_t N, int64_t K, float *y, int64_t ldy) {
-    const int64_t ldt = (M + 7) / 8 * 8, groups = (N + WR2 - 1) / WR2;
-    int64_t mb = XB2_BYTES / (4 * K) / 24 * 24;
-    if (mb < 24) mb = 24;
-    float *xT = aligned_alloc(64, ((size_t)(K * ldt) * sizeof(float) + 63) / 64 * 64);
-    if (!xT) return 1;
-    const int par = groups > 1 && M * N * K >= 32768;
-    int failed = 0;
-#pragma omp parallel if (par)
-    {
-#pragma omp for schedule(static)
-        for (int64_t k0 = 0; k0 < K; k0 += 32) transpose_x(x, ldx, M, k0, k0 + 32 < K ? k0 + 32 : K, xT, ldt);
-        float *wb = aligned_alloc(64, (size_t)(WR2 * K) * sizeof(float));
-        if (!wb) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += mb) {
-            const int64_t m1 = M - m0 < mb ? M : m0 + mb;
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; ++g) {
-                if (!wb) continue;
-                const int64_t n0 = g * WR2;
-                const int nj = N - n0 < WR2 ? (int)(N - n0) : WR2;
-                for (int j = 0; j < WR2; ++j) {
-                    if (j < nj) di_q_dequant_row(fmt, 1, w + (n0 + j) * row_bytes, K, wb + j * K);
-                    else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
-                }
-                group2(wb, K, xT, ldt, m0, m1, nj, y + n0, ldy);
-            }
-        }
-        free(wb);
-    }
-    free(xT);
-    return failed;
+/* one group's nj (<= WR) dequantised rows (wb, K apart) against xT rows [m0, m1): the AVX-512 tiles (OUTER_GROUP_TILES) */
+AVX512 static void group512(const float *wb, int64_t K, const float *xT, int64_t ldt, int64_t m0, int64_t m1, int nj,
+                            float *y, int64_t ldy) {
+    OUTER_GROUP_TILES(tile512, wb, K, xT, ldt, m0, m1, nj, y, ldy);
 }
 
-AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int64_t row_bytes, int fmt,
-                           int64_t N, int64_t K, float *y, int64_t ldy) {
-    const int64_t ldt = (M + 15) / 16 * 16, groups = (N + WR - 1) / WR;
-    /* rows of x per pass over the weights: a pass's slice of xT (mb x K) stays in L2 while every group
-     * of weight rows sweeps it (prefill: 2560 rows of K = 576 are 5.9 MB); the weights are dequantised
-     * once per pass */
-    int64_t mb = XB_BYTES / (4 * K) / (16 * XV) * (16 * XV);
-    if (mb < 16 * XV) mb = 16 * XV;
-    float *xT = aligned_alloc(64, (size_t)(K * ldt) * sizeof(float));
+/* A roles-swapped kernel at one level: its weight rows per group, the multiple its rows of xT are padded
+ * to, the rows per full register tile (a pass's rows are a multiple of it), xT bytes per pass, the
+ * dequantiser's level and the group's tiles. */
+typedef struct {
+    int wr, pad, tile_rows;
+    int64_t pass_bytes;
+    int dequant_level;
+    void (*group)(const float *wb, int64_t K, const float *xT, int64_t ldt, int64_t m0, int64_t m1, int nj, float *y,
+                  int64_t ldy);
+} swapped_kind;
+
+static const swapped_kind SWAPPED_AVX2 = {WR2, 8, 24, XB2_BYTES, 1, group2};
+static const swapped_kind SWAPPED_512 = {WR, 16, 16 * XV, XB_BYTES, 2, group512};
+
+/* x transposed once (xT [K][ldt], zero rows past M), then per pass of rows (a pass's slice of xT,
+ * mb x K, stays in L2 while every group of weight rows sweeps it; prefill: 2560 rows of K = 576 are
+ * 5.9 MB), the weights dequantised kind->wr rows at a time into a row buffer and swept by the kind's
+ * tiles: the weights are dequantised once per pass */
+static int outer_swapped(const swapped_kind *kind, const float *x, int64_t ldx, int64_t M, const uint8_t *w,
+                         int64_t row_bytes, int fmt, int64_t N, int64_t K, float *y, int64_t ldy) {
+    const int wr = kind->wr;
+    const int64_t ldt = (M + kind->pad - 1) / kind->pad * kind->pad, groups = (N + wr - 1) / wr;
+    int64_t mb = kind->pass_bytes / (4 * K) / kind->tile_rows * kind->tile_rows;
+    if (mb < kind->tile_rows) mb = kind->tile_rows;
+    float *xT = aligned_alloc(64, ((size_t)(K * ldt) * sizeof(float) + 63) / 64 * 64);
     if (!xT) return 1;
     const int par = groups > 1 && M * N * K >= 32768;
     int failed = 0;
@@ -260,7 +244,7 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
         /* the transpose in blocks of k, shared by all threads */
 #pragma omp for schedule(static)
         for (int64_t k0 = 0; k0 < K; k0 += 32) transpose_x(x, ldx, M, k0, k0 + 32 < K ? k0 + 32 : K, xT, ldt);
-        float *wb = aligned_alloc(64, (size_t)(WR * K) * sizeof(float));
+        float *wb = aligned_alloc(64, (size_t)(wr * K) * sizeof(float));
         if (!wb) {
 #pragma omp atomic write
             failed = 1;
@@ -270,13 +254,13 @@ AVX512 static int outer512(const float *x, int64_t ldx, int64_t M, const uint8_t
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; ++g) {
                 if (!wb) continue;
-                const int64_t n0 = g * WR;
-                const int nj = N - n0 < WR ? (int)(N - n0) : WR;
-                for (int j = 0; j < WR; ++j) {
-                    if (j < nj) di_q_dequant_row(fmt, 2, w + (n0 + j) * row_bytes, K, wb + j * K);
+                const int64_t n0 = g * wr;
+                const int nj = N - n0 < wr ? (int)(N - n0) : wr;
+                for (int j = 0; j < wr; ++j) {
+                    if (j < nj) di_q_dequant_row(fmt, kind->dequant_level, w + (n0 + j) * row_bytes, K, wb + j * K);
                     else memset(wb + j * K, 0, sizeof(float) * (size_t)K);
                 }
-                OUTER_GROUP_TILES(tile512, wb, K, xT, ldt, m0, m1, nj, y + n0, ldy);
+                kind->group(wb, K, xT, ldt, m0, m1, nj, y + n0, ldy);
             }
         }
         free(wb);
@@ -292,8 +276,8 @@ int di_qgemm_outer(const float *x, int64_t ldx, int64_t M, const uint8_t *w, int
                    int64_t K, float *y, int64_t ldy) {
     const int be = di_q_block_elems(fmt), level = di_q_cpu_level();
     if (!be || K % be || K % 32 || level < 1) return 1;
-    if (level >= 2) return outer512(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
-    if (M <= SWAP_M2) return outer_avx2(x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
+    if (level >= 2) return outer_swapped(&SWAPPED_512, x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
+    if (M <= SWAP_M2) return outer_swapped(&SWAPPED_AVX2, x, ldx, M, w, row_bytes, fmt, N, K, y, ldy);
     const int64_t panels = (N + ON - 1) / ON;
     int failed = 0;
 #pragma omp parallel if (panels > 1 && M * N * K >= 32768)
