@@ -73,20 +73,26 @@ def test_dtype_walks_decode(request, which, dtype, pytype):
         assert type(decode_output(spec, text)) is pytype
 
 
-def test_ebnf_walk(compiler, walker):
-    grammar = r'''
+ARITHMETIC_EBNF = r'''
 root ::= expr
 expr ::= term (("+" | "-") term)*
 term ::= num | "(" expr ")"
 num ::= [1-9] [0-9]{0,2}
 '''
-    compiled, served = compiler.compile(spec_from_params(grammar=grammar))
-    assert served == "xgrammar"
-    for seed in range(6):
+
+
+def _walks_are_arithmetic(walker, compiled, seeds: int) -> None:
+    for seed in range(seeds):
         text, done = walker.run(compiled.new_matcher(), seed)
         assert done
         assert re.fullmatch(r"[-+()0-9]+", text) and text.count("(") == text.count(")")
         eval(text)  # a well-formed arithmetic expression
+
+
+def test_ebnf_walk(compiler, walker):
+    compiled, served = compiler.compile(spec_from_params(grammar=ARITHMETIC_EBNF))
+    assert served == "xgrammar"
+    _walks_are_arithmetic(walker, compiled, 6)
 
 
 def test_llguidance_compiles_ebnf(llg_compiler, llg_walker, smol_eos):
@@ -95,19 +101,9 @@ def test_llguidance_compiles_ebnf(llg_compiler, llg_walker, smol_eos):
     with "'module' object is not callable" and never reached llguidance."""
     pytest.importorskip("llguidance")
     c = llg_compiler
-    grammar = r'''
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= num | "(" expr ")"
-num ::= [1-9] [0-9]{0,2}
-'''
-    compiled, served = c.compile(spec_from_params(grammar=grammar))
+    compiled, served = c.compile(spec_from_params(grammar=ARITHMETIC_EBNF))
     assert served == "llguidance"
-    for seed in range(4):
-        text, done = llg_walker.run(compiled.new_matcher(), seed)
-        assert done
-        assert re.fullmatch(r"[-+()0-9]+", text) and text.count("(") == text.count(")")
-        eval(text)  # a well-formed arithmetic expression
+    _walks_are_arithmetic(llg_walker, compiled, 4)
 
     tid = c.tokenizer.token_to_id
     mask = allocate_token_bitmask(1, c.vocab_size)
