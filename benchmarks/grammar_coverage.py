@@ -1,6 +1,6 @@
 """Print the grammar layer's JSONSchemaBench coverage and the bitmask-apply timings.
 
-    .venv/bin/python benchmarks/grammar_coverage.py [--limit N] [--backend xgrammar|llguidance|outlines]
+    .venv/bin/python benchmarks/grammar_coverage.py [--limit N] [--backend auto|xgrammar|llguidance|outlines]
         [--no-fallback] [--all-backends] [--lenient | --strict-only] [--skip-coverage] [--skip-bitmask]
         [--whitespace-ab]
         [--empirical N [--empirical-max-tokens M]]
@@ -245,7 +245,7 @@ def bitmask_timing(threads: int | None = None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=None, help="schemas per file (seeded sample)")
-    ap.add_argument("--backend", default="xgrammar")
+    ap.add_argument("--backend", default="auto", help="first backend (default: the default chain, auto)")
     ap.add_argument("--no-fallback", action="store_true")
     ap.add_argument("--all-backends", action="store_true", help="each backend alone, then with fallback")
     ap.add_argument("--lenient", action="store_true", help="only strict_json=False (JSON Schema semantics: "

@@ -40,7 +40,10 @@ class EngineConfig:
     # the planning thread takes a core from the forward (0.80x at batch 64), and on an H200 with a
     # small model the forward itself is CPU-bound launch work that the GIL serialises (see README)
     overlap_schedule: bool = False
-    grammar_backend: str = "xgrammar"  # "xgrammar" | "llguidance" | "outlines"
+    # "auto": per spec kind, the fastest backend to a first mask that serves it exactly (JSON
+    # schemas: llguidance, then xgrammar; regex / EBNF / choices: xgrammar; grammar.compiler.AUTO_ORDER);
+    # or "xgrammar" | "llguidance" | "outlines" first, then the others
+    grammar_backend: str = "auto"
     grammar_fallback: bool = True
     # seconds one grammar backend may spend compiling one spec; past it the request fails with a
     # GrammarError instead of waiting (compiles run off the step loop, see Engine.add_request)
@@ -174,8 +177,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(f"{name} must be an int >= 0, got {v!r}")
-        if self.grammar_backend not in ("xgrammar", "llguidance", "outlines"):
-            raise bad(f"grammar_backend must be 'xgrammar', 'llguidance' or 'outlines', got {self.grammar_backend!r}")
+        if self.grammar_backend not in ("auto", "xgrammar", "llguidance", "outlines"):
+            raise bad(f"grammar_backend must be 'auto', 'xgrammar', 'llguidance' or 'outlines', "
+                      f"got {self.grammar_backend!r}")
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> "EngineConfig":

@@ -35,6 +35,23 @@ from deepinfer.grammar.spec import GrammarSpec, spec_of
 from deepinfer.grammar.vocab import TokenizerVocab
 
 BACKEND_NAMES = ("xgrammar", "llguidance", "outlines")
+#: the default backend: the chain below, per spec kind
+AUTO = "auto"
+# What "auto" tries first, per kind (benchmarks/grammar_ttfm.py: cold compile to first mask, one
+# thread, SmolLM2 tokenizer, 2-core AMD EPYC). JSON schemas on llguidance, which builds its masks
+# lazily: the 747 shared JSONSchemaBench schemas reach a first mask at p50 2.7 ms, max 11 ms on it
+# alone, against xgrammar's full compile p50 6.7 ms, p99 284 ms, max 4.0 s; the chain with
+# llguidance first p50 3.0 / p99 17 ms (xgrammar first: 6.5 / 281 ms), as many grammars exact
+# (561), no exact leak. xgrammar next, where llguidance refuses a keyword (169 of 747) or only
+# approximates. Regex, EBNF and choices on xgrammar, as fast there (0.4-4 ms; llguidance 1.3-3.4 ms)
+# and the documented EBNF dialect.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "json_schema": ("llguidance", "xgrammar", "outlines"),
+    "json_object": ("llguidance", "xgrammar", "outlines"),
+    "regex": ("xgrammar", "llguidance", "outlines"),
+    "ebnf": ("xgrammar", "llguidance", "outlines"),
+    "choices": ("xgrammar", "llguidance", "outlines"),
+}
 _ALIASES = {"outlines-core": "outlines", "outlines_core": "outlines"}
 BackendFactory = Callable[[TokenizerVocab], GrammarBackend]
 
@@ -53,9 +70,8 @@ def _default_factories(strict_json: bool) -> dict[str, BackendFactory]:
     def llguidance(vocab: TokenizerVocab) -> GrammarBackend:
         from deepinfer.grammar.llguidance_backend import LLGuidanceBackend
 
-        return LLGuidanceBackend(vocab)
+        return LLGuidanceBackend(vocab, strict_json=strict_json)
 
-    # order = fallback order: llguidance before outlines (it enforces what it compiles)
     return {"xgrammar": xgrammar, "llguidance": llguidance, "outlines": outlines}
 
 
@@ -87,11 +103,15 @@ class GrammarCompiler:
 
     hf_tokenizer: a tokenizers.Tokenizer; vocab_size: the model's logits width (may exceed the
     tokenizer's length; extra ids are never allowed); stop_token_ids: tokens allowed exactly when
-    the grammar can terminate. backend: "xgrammar" (default), "llguidance" or "outlines"; with
-    fallback=True a spec the primary backend rejects or only approximates is tried on the others
-    (in BACKEND_NAMES order), the most exact result is kept, and `compile` reports which served.
-    `backends` maps names to factories (TokenizerVocab -> GrammarBackend) to add or replace them.
-    strict_json (xgrammar): schemas forbid undeclared properties (see XGrammarBackend).
+    the grammar can terminate. backend: "auto" (default: per spec kind, the order of AUTO_ORDER:
+    llguidance first for JSON schemas, xgrammar first for the rest), "xgrammar", "llguidance" or
+    "outlines" (that one first, then the others in AUTO_ORDER's order); with fallback=True a spec
+    the first backend rejects or only approximates is tried on the others, the most exact result
+    is kept (an exact grammar is never replaced by an approximated one, whichever was faster),
+    and `compile` reports which served. `backends` maps names to factories (TokenizerVocab ->
+    GrammarBackend) to add or replace them (new names are tried after the built-in ones).
+    strict_json: schemas forbid undeclared properties and tuple items (xgrammar's strict mode;
+    for llguidance written into the schema where that only narrows, see strict.py).
     compile_timeout: seconds one backend may spend on one spec; past it that backend counts as
     unable to compile it (the next one is tried), so a pathological schema becomes a GrammarError,
     not a stall. Its compilation cannot be interrupted: it finishes in a daemon thread and is
@@ -103,7 +123,7 @@ class GrammarCompiler:
         hf_tokenizer: tokenizers.Tokenizer,
         vocab_size: int,
         stop_token_ids: list[int],
-        backend: str = "xgrammar",
+        backend: str = AUTO,
         fallback: bool = True,
         backends: Mapping[str, BackendFactory] | None = None,
         strict_json: bool = True,
@@ -118,8 +138,9 @@ class GrammarCompiler:
         self._executor = None  # made on the first compile_async
         self._factories.update(backends or {})
         backend = _ALIASES.get(backend, backend)
-        if backend not in self._factories:
-            raise GrammarError(f"unknown grammar backend {backend!r}; expected one of {sorted(self._factories)}")
+        if backend != AUTO and backend not in self._factories:
+            raise GrammarError(f"unknown grammar backend {backend!r}; expected {AUTO!r} or one of "
+                               f"{sorted(self._factories)}")
         self.backend_name = backend
         self.fallback = fallback
         self.vocab = TokenizerVocab.from_tokenizer(hf_tokenizer, vocab_size, list(stop_token_ids))
@@ -142,10 +163,13 @@ class GrammarCompiler:
         """Bytes of every token id (None for special and padding ids)."""
         return self.vocab.token_bytes
 
-    def _order(self) -> list[str]:
-        if not self.fallback:
-            return [self.backend_name]
-        return [self.backend_name] + [n for n in self._factories if n != self.backend_name]
+    def backend_order(self, kind: str) -> list[str]:
+        """The backends compile tries for a spec of this kind, in order."""
+        chain = [n for n in AUTO_ORDER.get(kind, BACKEND_NAMES) if n in self._factories]
+        chain += [n for n in self._factories if n not in chain]  # backends added by name
+        if self.backend_name != AUTO:
+            chain = [self.backend_name] + [n for n in chain if n != self.backend_name]
+        return chain if self.fallback else chain[:1]
 
     def get_backend(self, name: str) -> GrammarBackend:
         """The named backend for this vocabulary, created once."""
@@ -235,7 +259,7 @@ class GrammarCompiler:
                 target = GrammarSpec(spec.kind, json.dumps(lowered, ensure_ascii=False))
         errors: list[str] = []
         best: tuple[CompiledGrammar, str, int] | None = None
-        for i, name in enumerate(self._order()):
+        for i, name in enumerate(self.backend_order(spec.kind)):
             floor = table_approximated(name, schema) if schema is not None else []
             if best is not None and len(floor) >= len(best[0].approximated):
                 continue  # its table alone says it cannot beat what we have
@@ -246,7 +270,9 @@ class GrammarCompiler:
                 compiled = self._limited(be, target)
                 compiled.spec = spec  # the user's spec: validation at finish checks against it
                 compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
-                if compiled.strict and schema is not None and spec.kind == "json_schema":
+                if compiled.strict and not compiled.narrowed and schema is not None and spec.kind == "json_schema":
+                    # xgrammar's own strict mode: what it narrows is read off the schema (llguidance's
+                    # rewrite reports what it narrowed itself)
                     compiled.narrowed = tuple(strict_narrowing(schema))
                 check_nonempty(compiled, self.vocab.vocab_size)
             except InvalidSpecError:

@@ -1,9 +1,11 @@
 """llguidance backend: JSON schemas, regex, EBNF (via Lark) and choices.
 
 llguidance refuses JSON-schema keywords it does not implement (its non-lenient mode), so what it
-compiles it enforces; its own warnings are kept as diagnostics. A matcher that consumes a token
-the grammar forbids enters a permanent error state, so `accept_token` checks the token first to
-keep our contract (False and state unchanged).
+compiles it enforces; its own warnings are kept as diagnostics. It builds its lexer and masks
+lazily, so a schema's first mask comes in milliseconds (the default chain's first backend for
+schemas, see compiler.AUTO_ORDER); strict mode is a schema rewrite (strict.py). A matcher that
+consumes a token the grammar forbids enters a permanent error state, so `accept_token` checks the
+token first to keep our contract (False and state unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES, CompiledGrammar, GrammarBackend, GrammarMatcher
 from deepinfer.grammar.spec import GrammarSpec
+from deepinfer.grammar.strict import strict_schema
 from deepinfer.grammar.vocab import TokenizerVocab
 
 # Bounded whitespace between JSON elements, as for xgrammar: a sampled model cannot spin on
@@ -114,7 +117,11 @@ class LLGuidanceCompiled(CompiledGrammar):
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(self, vocab: TokenizerVocab):
+    def __init__(self, vocab: TokenizerVocab, strict_json: bool = True):
+        """strict_json: schemas forbid the properties and tuple items they do not declare, as
+        xgrammar's strict mode does (llguidance has no such mode: strict.py writes it into the
+        schema where that only narrows the language). json_object mode is never strict."""
+        self.strict_json = strict_json
         if vocab.tokenizer is None:
             raise GrammarError("llguidance needs the tokenizer's definition (TokenizerVocab.from_tokenizer)")
         self.vocab = vocab
@@ -146,6 +153,22 @@ class LLGuidanceBackend(GrammarBackend):
         raise GrammarError(f"llguidance: unsupported grammar kind {spec.kind!r}")
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceCompiled:
+        if self.strict_json and spec.kind == "json_schema":
+            narrowed_schema, narrowed = strict_schema(json.loads(spec.text))
+            if narrowed:
+                try:
+                    out = self._compile(GrammarSpec(spec.kind, json.dumps(narrowed_schema, ensure_ascii=False)))
+                except GrammarError:
+                    # the narrowing left no instance somewhere llguidance can tell (e.g. a
+                    # minProperties its required keys need): compile the schema as given
+                    pass
+                else:
+                    out.spec = spec
+                    out.strict, out.narrowed = True, tuple(narrowed)
+                    return out
+        return self._compile(spec)
+
+    def _compile(self, spec: GrammarSpec) -> LLGuidanceCompiled:
         try:
             grammar = self.grammar_for(spec)
             is_err, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)

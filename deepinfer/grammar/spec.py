@@ -2,7 +2,9 @@
 
 `spec_from_params` turns the user-facing constraint arguments (regex / json_schema / grammar /
 choices / dtype / json_object) into a GrammarSpec whose (kind, text) is the cache key of the
-compiler: two requests with equal specs share one compiled grammar.
+compiler: two requests with equal specs share one compiled grammar. A schema's text is canonical
+(`canonical_schema`: keywords sorted, whitespace dropped, properties in declared order), so a job
+that repeats a schema spelled in another keyword order compiles it once.
 """
 
 from __future__ import annotations
@@ -70,10 +72,45 @@ def _is_pydantic_model(obj: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, pydantic.BaseModel)
 
 
+# Schema keywords whose value is data (their key order is the value's own: a const object is
+# generated in its own key order), maps of names to subschemas, and lists of / single subschemas.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_NAME_MAPS = frozenset({"$defs", "definitions", "patternProperties", "dependentSchemas", "dependencies"})
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMAS = frozenset({"additionalProperties", "additionalItems", "items", "contains", "propertyNames", "not",
+                         "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "contentSchema"})
+
+
+def canonical_schema(schema: Any) -> Any:
+    """schema with every schema object's keywords in sorted order, so two spellings of one schema
+    that differ only in keyword order (or whitespace, once serialised) are one cache entry.
+    Kept as given: the order of `properties` (backends generate properties in declared order, so
+    another order is another grammar), lists (anyOf branches, prefixItems, required, enum) and data
+    values (const / enum / default / examples: a const object is generated in its own order)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k in sorted(schema, key=str):
+        v = schema[k]
+        if k in _DATA_KEYWORDS:
+            out[k] = v
+        elif k == "properties" and isinstance(v, dict):
+            out[k] = {name: canonical_schema(sub) for name, sub in v.items()}
+        elif k in _NAME_MAPS and isinstance(v, dict):  # names are looked up, never generated in order
+            out[k] = {name: canonical_schema(v[name]) for name in sorted(v, key=str)}
+        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+            out[k] = [canonical_schema(sub) for sub in v]
+        elif k in _SUBSCHEMAS:
+            out[k] = canonical_schema(v)
+        else:  # type, required, bounds, patterns, unknown keywords: as given
+            out[k] = v
+    return out
+
+
 def _canonical_json(obj: Any) -> str:
-    # Key order is preserved on purpose: backends generate properties in declared order.
+    # keywords sorted, properties in declared order (canonical_schema); compact separators
     try:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return json.dumps(canonical_schema(obj), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise GrammarError(f"invalid JSON schema: not JSON-serialisable ({e})") from e
 

@@ -1,4 +1,5 @@
-"""xgrammar backend: JSON schemas, EBNF, regex and choices (the default backend)."""
+"""xgrammar backend: JSON schemas, EBNF, regex and choices (the default chain's first for regex, EBNF and
+choices, and where llguidance refuses or approximates a schema; see compiler.AUTO_ORDER)."""
 
 from __future__ import annotations
 

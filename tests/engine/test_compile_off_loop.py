@@ -11,7 +11,12 @@ import jsonschema
 import pytest
 
 from deepinfer import Engine, SamplingParams
+from deepinfer.grammar.compiler import AUTO_ORDER
+from deepinfer.grammar.llguidance_backend import LLGuidanceBackend
 from deepinfer.grammar.xgrammar_backend import XGrammarBackend
+
+# the backend the default chain compiles a schema on first: a slow compile is staged there
+FIRST = {"llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}[AUTO_ORDER["json_schema"][0]]
 
 SLOW_S = 0.3  # each "slow" schema takes this long to compile (well over a tiny-model step)
 
@@ -23,8 +28,9 @@ def _schema(i: int) -> dict:
 
 @pytest.fixture
 def slow_compiles(monkeypatch):
-    """xgrammar compiles of specs titled slow-* sleep first, standing in for a heavy schema."""
-    original = XGrammarBackend.compile
+    """Compiles of specs titled slow-* (on the default chain's first schema backend) sleep first,
+    standing in for a heavy schema."""
+    original = FIRST.compile
     calls = []
 
     def compile(self, spec):
@@ -33,7 +39,7 @@ def slow_compiles(monkeypatch):
             time.sleep(SLOW_S)
         return original(self, spec)
 
-    monkeypatch.setattr(XGrammarBackend, "compile", compile)
+    monkeypatch.setattr(FIRST, "compile", compile)
     return calls
 
 
@@ -79,14 +85,14 @@ def test_fifty_slow_schemas_compile_while_sixteen_requests_decode(tiny_models, s
 
 
 def test_a_compile_past_the_limit_fails_only_its_request(tiny_models, monkeypatch):
-    original = XGrammarBackend.compile
+    original = FIRST.compile
 
     def compile(self, spec):
         if '"slow-' in spec.text:
             time.sleep(1.5)
         return original(self, spec)
 
-    monkeypatch.setattr(XGrammarBackend, "compile", compile)
+    monkeypatch.setattr(FIRST, "compile", compile)
     eng = _engine(tiny_models, grammar_fallback=False, grammar_compile_timeout=0.2)
     ok = eng.add_request([5, 7, 9], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     bad = eng.add_request("x", SamplingParams(json_schema=_schema(0), max_tokens=8))
@@ -184,7 +190,7 @@ def test_a_failed_compile_of_an_early_admitted_request_fails_only_it(tiny_models
         time.sleep(0.2)
         raise GrammarError("cannot compile this one")
 
-    monkeypatch.setattr(XGrammarBackend, "compile", compile)
+    monkeypatch.setattr(FIRST, "compile", compile)
     eng = _engine(tiny_models, grammar_fallback=False)
     params = SamplingParams(json_schema=_schema(2), max_tokens=8)
     fut = eng.precompile(params)

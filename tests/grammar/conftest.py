@@ -65,6 +65,14 @@ def compiler(smol) -> GrammarCompiler:
 
 
 @pytest.fixture(scope="session")
+def xgr_compiler(smol) -> GrammarCompiler:
+    """xgrammar alone: the default chain serves schemas from llguidance, these tests keep
+    xgrammar's schema path covered."""
+    tok, stops = smol
+    return GrammarCompiler(tok, tok.get_vocab_size() + PAD, stops, backend="xgrammar", fallback=False)
+
+
+@pytest.fixture(scope="session")
 def outlines_compiler(smol) -> GrammarCompiler:
     tok, stops = smol
     return GrammarCompiler(tok, tok.get_vocab_size() + PAD, stops, backend="outlines", fallback=False)
@@ -147,6 +155,11 @@ def bytes_of(compiler: GrammarCompiler, ids: list[int]) -> bytes:
 @pytest.fixture(scope="session")
 def walker(compiler) -> Walker:
     return Walker(compiler)
+
+
+@pytest.fixture(scope="session")
+def xgr_walker(xgr_compiler) -> Walker:
+    return Walker(xgr_compiler)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ def test_batch_of_one_schema_compiles_once(smol):
     tok, stops = smol
     c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
     served = {c.compile(spec_from_params(json_schema=dict(SCHEMA)))[1] for _ in range(10_000)}
-    assert served == {"xgrammar"}
+    assert served == {"llguidance"}  # the default chain's first backend for schemas, exact here
     assert c.stats["compiles"] == 1 and c.stats["cache_hits"] == 9_999
     # an equal schema given as a JSON string is the same cache entry
     c.compile(spec_from_params(json_schema=json.dumps(SCHEMA)))
@@ -188,4 +188,100 @@ def test_compile_async_compiles_distinct_specs_while_the_caller_works(smol):
         steps += 1
     assert steps > 1
     served = [f.result()[1] for f in futures]
-    assert served == ["xgrammar"] * 50 and c.stats["compiles"] == 51  # with the regex above
+    # schemas on llguidance (exact: nothing else is tried), the regex above on xgrammar
+    assert served == ["llguidance"] * 50 and c.stats["compiles"] == 51
+    assert c.stats["served_xgrammar"] == 1
+
+
+def test_a_schema_in_another_keyword_order_compiles_once(smol):
+    """The cache keys on the schema's canonical form: keywords in any order, any whitespace, one
+    compile; another property order is another grammar (properties are generated in declared order)."""
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops)
+    a = {"type": "object", "required": ["name"],
+         "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {"type": "array", "items": {"type": "integer"}}}}
+    b = {"properties": {"name": {"maxLength": 8, "type": "string"}, "tags": {"items": {"type": "integer"}, "type": "array"}},
+         "required": ["name"], "type": "object"}
+    first, _ = c.compile(spec_from_params(json_schema=a))
+    assert c.compile(spec_from_params(json_schema=b))[0] is first
+    assert c.compile(spec_from_params(json_schema=json.dumps(b, indent=4)))[0] is first
+    assert c.stats["compiles"] == 1 and c.stats["cache_hits"] == 2
+    swapped = {**a, "properties": {"tags": a["properties"]["tags"], "name": a["properties"]["name"]}}
+    other, _ = c.compile(spec_from_params(json_schema=swapped))
+    assert other is not first and c.stats["compiles"] == 2
+    # each grammar generates its own declared order
+    for compiled, text in ((first, '{"name": "x", "tags": [1]}'), (other, '{"tags": [1], "name": "x"}')):
+        m = compiled.new_matcher()
+        assert all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False).ids) and m.can_terminate()
+
+
+def _counting(factories: dict, calls: list):
+    """Factories that record which backends compile (wrapping the real ones)."""
+    from deepinfer.grammar.compiler import _default_factories
+
+    real = _default_factories(True)
+
+    def wrap(name):
+        def make(vocab):
+            be = real[name](vocab)
+            inner = be.compile
+
+            def compile(spec):
+                calls.append(name)
+                return inner(spec)
+
+            be.compile = compile
+            return be
+        return make
+
+    return {n: wrap(n) for n in real} | factories
+
+
+def test_default_chain_serves_schemas_from_llguidance_and_tries_nothing_else(smol):
+    """An exact llguidance grammar is the first mask: xgrammar's full compile never starts."""
+    tok, stops = smol
+    calls: list[str] = []
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backends=_counting({}, calls))
+    assert c.backend_order("json_schema") == ["llguidance", "xgrammar", "outlines"]
+    assert c.backend_order("regex") == ["xgrammar", "llguidance", "outlines"]
+    compiled, served = c.compile(spec_from_params(json_schema=SCHEMA))
+    assert served == "llguidance" and compiled.exact and calls == ["llguidance"]
+    assert compiled.narrowed == ("additionalProperties (strict)",)  # strict mode, as xgrammar's
+    m = compiled.new_matcher()
+    ids = tok.encode('{"name": "x", "other": 1}', add_special_tokens=False).ids
+    assert not all(m.accept_token(t) for t in ids)  # the undeclared key is refused
+    _, served = c.compile(spec_from_params(regex="[0-9]{3}"))
+    assert served == "xgrammar" and calls == ["llguidance", "xgrammar"]
+    # an explicit backend goes first, the others follow in the kind's order
+    x = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="outlines")
+    assert x.backend_order("json_schema") == ["outlines", "llguidance", "xgrammar"]
+    assert GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False).backend_order("json_schema") == ["llguidance"]
+
+
+def test_an_approximate_llguidance_grammar_never_replaces_an_exact_xgrammar_one(smol):
+    """llguidance first, but where it only approximates (here: a warning we cannot read as exact)
+    and xgrammar is exact, xgrammar serves; where llguidance refuses, xgrammar serves as before."""
+    from deepinfer.grammar.llguidance_backend import LLGuidanceBackend
+
+    tok, stops = smol
+
+    class Warns(LLGuidanceBackend):
+        def compile(self, spec):
+            out = super().compile(spec)
+            out.warnings = [*out.warnings, "something was approximated"]
+            return out
+
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backends={"llguidance": lambda v: Warns(v)})
+    compiled, served = c.compile(spec_from_params(json_schema=SCHEMA))
+    assert served == "xgrammar" and compiled.exact and c.stats["fallbacks"] == 1
+    # a real case: llguidance compiles this oneOf, but its table does not list oneOf as exact, and
+    # xgrammar's grammar is exact: xgrammar serves
+    calls: list[str] = []
+    e = GrammarCompiler(tok, tok.get_vocab_size(), stops, backends=_counting({}, calls))
+    compiled, served = e.compile(spec_from_params(json_schema={"oneOf": [{"type": "integer"}, {"type": "string"}]}))
+    assert served == "xgrammar" and compiled.exact and calls == ["llguidance", "xgrammar"]
+    # uniqueItems: llguidance refuses it, xgrammar approximates it (and says so): xgrammar serves
+    d = GrammarCompiler(tok, tok.get_vocab_size(), stops)
+    compiled, served = d.compile(spec_from_params(json_schema={"type": "array", "items": {"type": "integer"},
+                                                               "uniqueItems": True}))
+    assert served == "xgrammar" and compiled.approximated == ("uniqueItems",)

@@ -228,24 +228,25 @@ def test_check_output_validates_approximated_and_incomplete_outputs(compilers):
     assert check_output(approx, approx.new_matcher(), "[1, 1]", "error") == (None, None)
 
 
-def test_strict_mode_narrowing_is_reported_not_approximated(smol):
-    """xgrammar's strict mode refuses undeclared keys (JSON Schema allows them): a deliberate
-    narrowing, reported in `narrowed`; the grammar stays exact (every accepted output is valid)."""
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_strict_mode_narrowing_is_reported_not_approximated(smol, backend):
+    """Strict mode refuses undeclared keys and tuple items (JSON Schema allows them): a deliberate
+    narrowing, reported in `narrowed`; the grammar stays exact (every accepted output is valid).
+    xgrammar has the mode itself; for llguidance it is written into the schema (strict.py)."""
     tok, stops = smol
     open_obj = {"type": "object", "properties": {"a": {"type": "integer"}, "t": {"type": "array",
                 "prefixItems": [{"type": "integer"}]}}}
     closed = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}
-    strict = GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False)
+    strict = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend=backend, fallback=False)
     compiled, _ = strict.compile(spec_from_params(json_schema=open_obj))
     assert compiled.exact and compiled.strict
     assert compiled.narrowed == ("additionalProperties (strict)", "items (strict)")
     assert not accepts(strict, compiled, {"a": 1, "b": 2})  # the narrowing itself
+    assert not accepts(strict, compiled, {"a": 1, "t": [1, 2]})
+    assert accepts(strict, compiled, {"a": 1, "t": [1]})
     compiled, _ = strict.compile(spec_from_params(json_schema=closed))
     assert compiled.exact and compiled.narrowed == ()  # additionalProperties set: nothing narrowed
-    lenient = GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False, strict_json=False)
+    lenient = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend=backend, fallback=False, strict_json=False)
     compiled, _ = lenient.compile(spec_from_params(json_schema=open_obj))
-    assert not compiled.strict and compiled.narrowed == ()
-    assert accepts(lenient, compiled, {"a": 1, "b": 2})
-    llg = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="llguidance", fallback=False)
-    compiled, _ = llg.compile(spec_from_params(json_schema=open_obj))
-    assert compiled.narrowed == () and accepts(llg, compiled, {"a": 1, "b": 2})  # spec-faithful
+    assert not compiled.strict and compiled.narrowed == ()  # spec-faithful
+    assert accepts(lenient, compiled, {"a": 1, "b": 2}) and accepts(lenient, compiled, {"a": 1, "t": [1, 2]})

@@ -148,17 +148,27 @@ def test_false_pattern_property_compiles_as_approximated(smol):
     """xgrammar refuses a `false` pattern-property schema; written `{"not": {}}` it compiles and the
     grammar says it approximates (validation at finish then checks the output)."""
     tok, stops = smol
-    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False)
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="xgrammar", fallback=False)
     s = {"type": "object", "patternProperties": {"^x": False}, "minProperties": 1}
     compiled, _ = c.compile(spec_from_params(json_schema=s))
     assert not compiled.exact
+    # the default chain serves it exactly from llguidance, which enforces the `false` schema
+    d = GrammarCompiler(tok, tok.get_vocab_size(), stops)
+    compiled, served = d.compile(spec_from_params(json_schema=s))
+    assert served == "llguidance" and compiled.exact
+    assert not _accepts(d, compiled, {"xa": 1}) and not _accepts(d, compiled, {}) and _accepts(d, compiled, {"b": 1})
 
 
 def test_false_property_in_lenient_xgrammar_is_reported(smol):
     tok, stops = smol
-    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False, strict_json=False)
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="xgrammar", fallback=False, strict_json=False)
     compiled, _ = c.compile(spec_from_params(json_schema={"type": "object", "properties": {"a": False, "b": {}}}))
     assert not compiled.exact  # the key a is allowed by the non-strict grammar
-    strict = GrammarCompiler(tok, tok.get_vocab_size(), stops, fallback=False)
+    # llguidance (the default chain's first) enforces `false` itself: exact, a refused, others allowed
+    d = GrammarCompiler(tok, tok.get_vocab_size(), stops, strict_json=False)
+    compiled, served = d.compile(spec_from_params(json_schema={"type": "object", "properties": {"a": False, "b": {}}}))
+    assert served == "llguidance" and compiled.exact
+    assert not _accepts(d, compiled, {"a": 1}) and _accepts(d, compiled, {"c": 1})
+    strict = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="xgrammar", fallback=False)
     compiled, _ = strict.compile(spec_from_params(json_schema={"type": "object", "properties": {"a": False, "b": {}}}))
     assert compiled.exact and not _accepts(strict, compiled, {"a": 1})

@@ -6,6 +6,7 @@ import itertools
 import json
 
 import jsonschema
+import pytest
 
 from deepinfer.grammar import spec_from_params
 from deepinfer.grammar.orders import MAX_PROPERTIES, any_order
@@ -35,9 +36,11 @@ def test_what_is_left_alone():
     assert any_order(data) is data
 
 
-def test_every_key_order_is_accepted_and_exact(compiler, smol_tok):
+@pytest.mark.parametrize("which, backend", [("xgr_compiler", "xgrammar"), ("compiler", "llguidance")])
+def test_every_key_order_is_accepted_and_exact(request, which, backend, smol_tok):
+    compiler = request.getfixturevalue(which)  # xgrammar alone, and the default chain (llguidance)
     compiled, served = compiler.compile(spec_from_params(json_schema=SCHEMA))
-    assert served == "xgrammar" and compiled.exact
+    assert served == backend and compiled.exact
 
     def accepted(value) -> bool:
         m = compiled.new_matcher()

@@ -55,13 +55,16 @@ def test_what_is_left_alone():
     assert lower_patterns(data) is data
 
 
-def test_xgrammar_serves_length_bounded_patterns_exactly(compiler, smol_tok):
+@pytest.mark.parametrize("which, backend", [("xgr_compiler", "xgrammar"), ("compiler", "llguidance")])
+def test_xgrammar_serves_length_bounded_patterns_exactly(request, which, backend, smol_tok):
     """Before the rewrite xgrammar ignored the lengths (approximated) and the fallback went to
-    llguidance; now xgrammar serves it exactly and enforces the lengths."""
+    llguidance; now xgrammar serves it exactly and enforces the lengths. The default chain serves
+    it from llguidance, exactly too."""
+    compiler = request.getfixturevalue(which)
     schema = {"type": "object", "properties": {"id": {"type": "string", "pattern": HEX + "+", "minLength": 4,
                                                       "maxLength": 4}}, "required": ["id"]}
     compiled, served = compiler.compile(spec_from_params(json_schema=schema))
-    assert served == "xgrammar" and compiled.exact
+    assert served == backend and compiled.exact
 
     def accepted(text: str) -> bool:
         m = compiled.new_matcher()

@@ -89,11 +89,14 @@ def _walk_valid(compiled, walker, schema, seeds=SEEDS):
     return outputs
 
 
+@pytest.mark.parametrize("which, backend", [("xgr_compiler", "xgrammar"), ("compiler", "llguidance")])
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_xgrammar_schema_walks_validate(compiler, walker, name):
+def test_schema_walks_validate(request, which, backend, name):
+    """xgrammar alone, and the default chain (which serves these from llguidance)."""
+    compiler, walker = request.getfixturevalue(which), request.getfixturevalue(which.replace("compiler", "walker"))
     schema = SCHEMAS[name]
     compiled, served = compiler.compile(spec_from_params(json_schema=schema))
-    assert served == "xgrammar"
+    assert served == backend and compiled.exact, compiled.approximated
     outs = _walk_valid(compiled, walker, schema)
     assert len({json.dumps(o) for o in outs}) > 1
 

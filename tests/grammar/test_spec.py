@@ -179,3 +179,24 @@ def test_spec_of_reads_params_objects():
     assert spec_of(Params()) == spec_from_params(json_schema={"type": "integer"})
     assert decode_output(Params(), "7") == 7
     assert decode_output(spec_from_params(json_object=True), '{"a": [1]}') == {"a": [1]}
+
+
+def test_schema_keyword_order_and_whitespace_do_not_change_the_spec():
+    """The spec (the compiler's cache key) is the schema's canonical form: keywords sorted at every
+    level, whitespace dropped; properties keep their declared order and data values their own."""
+    a = {"type": "object", "required": ["b", "a"],
+         "properties": {"b": {"type": "string", "maxLength": 3}, "a": {"const": {"y": 1, "x": 2}}},
+         "$defs": {"z": {"type": "integer"}, "y": {"minimum": 0, "type": "number"}}}
+    b = {"$defs": {"y": {"type": "number", "minimum": 0}, "z": {"type": "integer"}},
+         "properties": {"b": {"maxLength": 3, "type": "string"}, "a": {"const": {"y": 1, "x": 2}}},
+         "required": ["b", "a"], "type": "object"}
+    sa, sb = spec_from_params(json_schema=a), spec_from_params(json_schema=b)
+    sc = spec_from_params(json_schema=json.dumps(b, indent=3))
+    assert sa == sb == sc and hash(sa) == hash(sb) == hash(sc)
+    text = json.loads(sa.text)
+    assert list(text) == ["$defs", "properties", "required", "type"]
+    assert list(text["properties"]) == ["b", "a"] and list(text["properties"]["b"]) == ["maxLength", "type"]
+    assert list(text["properties"]["a"]["const"]) == ["y", "x"] and text["required"] == ["b", "a"]
+    # another property order is another spec (another grammar: properties are generated in order)
+    swapped = {**a, "properties": {"a": a["properties"]["a"], "b": a["properties"]["b"]}}
+    assert spec_from_params(json_schema=swapped) != sa
