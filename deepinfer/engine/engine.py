@@ -106,9 +106,7 @@ class Engine:
                 self._executor = None
                 return
         else:
-            self.runner = ModelRunner(cfg, self.model_config, loaded.weights, self.device, self.dtype,
-                                      quantized=loaded.quantized, quant_mode=prec.quant_mode, keep_16bit=prec.keep_16bit,
-                                      bf16_dot=prec.bf16_dot)
+            self.runner = self._make_runner(loaded, prec)
         del loaded
         # one KV pool, or one per data-parallel attention rank (expert parallelism)
         self.kv = make_kv(getattr(self.runner, "kv_ranks", 1), self.runner.num_blocks, cfg.block_size,
@@ -155,16 +153,31 @@ class Engine:
         self._failure: DistributedWorkerError | None = None  # a failed expert-parallel worker ended the engine
         self._executor = None
         self._stream_forward = None
-        if cfg.overlap_schedule and self.device.type == "cuda" and self._mtp is None:
-            from deepinfer.engine.cuda_overlap import StreamForward
-
-            # CUDA: the forward is queued on the stream and waited on by event, no worker thread
-            self._stream_forward = StreamForward(self.runner, self.stats, self.device)
-        elif cfg.overlap_schedule:
+        if cfg.overlap_schedule and self._mtp is None:
+            self._stream_forward = self._make_stream_forward()
+        if cfg.overlap_schedule and self._stream_forward is None:
             from concurrent.futures import ThreadPoolExecutor
 
             # torch releases the GIL inside ops, so the forward runs while this thread plans/post-processes
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-forward")
+
+    def _make_runner(self, loaded, prec) -> ModelRunner:
+        """The runner over the loaded checkpoint (one process, no expert parallelism). A stand-in with
+        the same interface replaces it in tests and benchmarks (deepinfer/testing/simulated_engine.py)."""
+        return ModelRunner(self.config, self.model_config, loaded.weights, self.device, self.dtype,
+                           quantized=loaded.quantized, quant_mode=prec.quant_mode, keep_16bit=prec.keep_16bit,
+                           bf16_dot=prec.bf16_dot)
+
+    def _make_stream_forward(self):
+        """The overlapped loop's forward as a queued launch: an object whose `launch(step, prepared,
+        prev_tokens)` returns at once with a future whose `result()` waits for it; None runs each forward
+        in a worker thread instead. CUDA: the forward is queued on the stream and waited on by event, no
+        worker thread (cuda_overlap.py). The simulated device gives its own (deepinfer/testing)."""
+        if self.device.type != "cuda":
+            return None
+        from deepinfer.engine.cuda_overlap import StreamForward
+
+        return StreamForward(self.runner, self.stats, self.device)
 
     def _make_speculator(self) -> Speculator:
         """The drafter plus the cost model of verification, measured on this machine now."""
@@ -560,7 +573,9 @@ class Engine:
             # (batch 128, 32 new tokens: 0.87-0.89x with drafts admitted in such steps)
             plan = self.speculator.propose(candidates, base, float(base))
             self.stats.record_draft_plan(plan.proposed, plan.admitted)
-        self.stats.schedule_time += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.schedule_time += dt
+        self.stats.draft_time += dt
 
     def _drain(self) -> None:
         """Finish the forward pass in flight (if any) now; its outputs go out with the next step()."""
@@ -635,7 +650,9 @@ class Engine:
         t0 = time.perf_counter()
         st, batch = plan_step(sched, next(self._step_ids), self.config.block_size, self.kv, self.stats)
         prepared = self.runner.prepare(batch)
-        self.stats.schedule_time += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.schedule_time += dt
+        self.stats.prepare_time += dt
         if run_async and self._stream_forward is not None:
             st.future = self._stream_forward.launch(st, prepared, prev_tokens)
         elif run_async:

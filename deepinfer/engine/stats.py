@@ -23,11 +23,17 @@ class EngineStats:
     drafts_proposed: int = 0  # draft tokens the drafter offered (the verify budget admits some)
     drafts_admitted: int = 0
     draft_plans: int = 0  # steps that planned drafts
-    schedule_time: float = 0.0
+    schedule_time: float = 0.0  # drafting + scheduling + step planning (the parts below included)
     forward_time: float = 0.0
-    sample_time: float = 0.0
-    postprocess_time: float = 0.0
+    sample_time: float = 0.0  # masks + sampling (mask_time included)
+    postprocess_time: float = 0.0  # tokens in, stop checks (detokenize_time, mask_prefill_time included)
     grammar_time: float = 0.0
+    # parts of the times above, for the host's time by part (benchmarks/host_overhead.py)
+    draft_time: float = 0.0  # proposing drafts (of schedule_time)
+    prepare_time: float = 0.0  # plan_step + the runner's prepare: the step's inputs (of schedule_time)
+    mask_time: float = 0.0  # filling and applying grammar masks while sampling (of sample_time, grammar_time)
+    mask_prefill_time: float = 0.0  # overlap mode: next masks filled while a forward runs (of postprocess_time)
+    detokenize_time: float = 0.0  # incremental detokenisation of accepted tokens (of postprocess_time)
     grammar_calls: int = 0
     # time a step's sampling waited for the compile of a sequence admitted while it compiled
     grammar_wait_time: float = 0.0
@@ -40,7 +46,9 @@ class EngineStats:
     grammar_step_samples: list = field(default_factory=list)  # grammar seconds per constrained token, per step (last 100k)
 
     def record_grammar(self, seconds: float, rows: int) -> None:
+        """One step's mask fill (StructuredOutputs._masks) over `rows` constrained rows."""
         self.grammar_time += seconds
+        self.mask_time += seconds
         self.grammar_calls += rows
         if rows:
             if len(self.grammar_step_samples) >= 100_000:

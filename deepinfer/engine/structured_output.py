@@ -262,4 +262,6 @@ class StructuredOutputs:
             seq.next_mask = allocate_token_bitmask(1, self.vocab_size)
         seq.matcher.fill_bitmask(seq.next_mask, 0)
         seq.next_mask_step = seq.placeholders[-1]
-        self.stats.grammar_time += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.stats.grammar_time += dt
+        self.stats.mask_prefill_time += dt
