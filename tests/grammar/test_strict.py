@@ -105,22 +105,18 @@ def test_a_narrowing_llguidance_cannot_satisfy_falls_back_to_the_schema_as_given
     assert _accepts(c, compiled, {"name": "a", "other": 1})
 
 
-def test_on_the_bench_strict_grammars_accept_a_subset_and_no_invalid_instance(smol):
+def test_on_the_bench_strict_grammars_accept_a_subset_and_no_invalid_instance(smol, bench_dir):
     """Every bench schema on llguidance, strict and not: what the strict grammar accepts the lenient
     one accepts too (the rewrite only narrows), and an exact strict grammar accepts no invalid instance."""
-    from conftest import BENCH_DIR
-
     from deepinfer.errors import GrammarError
     from deepinfer.grammar.coverage import BENCH_FILES, load_bench_file, schema_spec
 
-    if not BENCH_DIR.exists():
-        pytest.skip(f"JSONSchemaBench not found at {BENCH_DIR}")
     tok, stops = smol
     strict, lenient = (GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="llguidance", fallback=False,
                                        strict_json=s) for s in (True, False))
     narrowed = widened = leaks = 0
     for f in BENCH_FILES:
-        for rec in load_bench_file(BENCH_DIR / f):
+        for rec in load_bench_file(bench_dir / f):
             try:
                 spec = schema_spec(rec["schema"])
                 g, _ = strict.compile(spec)
