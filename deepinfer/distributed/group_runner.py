@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.distributed.dispatch import CommStats
-from deepinfer.distributed.ep_runner import STARTUP_TIMEOUT_S, STALE_HEARTBEAT_S, RankRunners, with_kv_budget
+from deepinfer.distributed.rank_runners import STALE_HEARTBEAT_S, STARTUP_TIMEOUT_S, RankRunners, with_kv_budget
 from deepinfer.distributed.wire import pack_batch
 from deepinfer.distributed.worker import HEARTBEAT_S, build_runner, execute
 from deepinfer.engine.forward_batch import ForwardBatch

@@ -35,6 +35,13 @@ GEMV_MAX_M = 4  # up to here (default mode): the chunked GEMV beats the packed G
 PACK_HINT_M = 32  # the batch size oneDNN tunes the packed layout for (any M runs on it)
 
 
+def as_stored_bf16(t: torch.Tensor) -> torch.Tensor | None:
+    """t in bf16 when every value of t is a bf16 (a bf16 checkpoint's tensor, loaded as fp32), else None:
+    kept so, and widened back where read, it gives the fp32 tensor's bits from half the bytes."""
+    b = t.to(torch.bfloat16)
+    return b if torch.equal(b.float(), t) else None
+
+
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -102,8 +109,6 @@ class CpuLinear:
             from deepinfer_kernels import native
 
             self._native = native
-            from deepinfer.engine.weights16 import as_stored_bf16
-
             exempt = {w.data_ptr() for w in keep_fp32}
 
             def stored(w: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,11 @@ class NativeExperts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self._packed)
 
+    def repacked(self, block) -> "NativeExperts":
+        """This kernel rebuilt over the experts `block` holds now (after MoeBlock.swap_experts). A
+        method, so the block rebuilds its kernel without importing this module (which imports it)."""
+        return NativeExperts(*block.stacked_expert_weights(), weights=self.weights, bf16_dot=self.bf16_dot)
+
     def can_fuse(self, mlp) -> bool:
         """Whether `combined` can run the gated MLP `mlp` (a shared expert) in its call: its kernel holds
         it as chunks of this stack's shape and storage."""
@@ -144,6 +149,9 @@ class _GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, idx, self.gate_up, self.down)
 
+    def repacked(self, block):
+        raise TypeError(f"{type(self).__name__} cannot be rebuilt over swapped experts")
+
 
 class TileLangExperts(_GroupedExperts):
     """One MoE block's experts for `grouped_gemm.moe_experts` on CUDA (the block's parameters are views
@@ -155,6 +163,10 @@ class TileLangExperts(_GroupedExperts):
         super().__init__(grouped_gemm.moe_experts, gate_up, down)
         # compile both GEMMs now, never on the step path
         grouped_gemm.warmup(gate_up, down)
+
+    def repacked(self, block) -> "TileLangExperts":
+        """This kernel over the experts `block` holds now (after MoeBlock.swap_experts)."""
+        return TileLangExperts(*_stack_in_place(block))
 
 
 class Fp8TileLangExperts(_GroupedExperts):
@@ -260,16 +272,6 @@ def _stack_in_place(block) -> tuple[torch.Tensor, torch.Tensor]:
     return gu, down
 
 
-def repack(block):
-    """The block's expert kernel rebuilt over the experts it holds now (after MoeBlock.swap_experts)."""
-    k = block.expert_kernel
-    if isinstance(k, NativeExperts):
-        return NativeExperts(*block.stacked_expert_weights(), weights=k.weights, bf16_dot=k.bf16_dot)
-    if isinstance(k, TileLangExperts):
-        return TileLangExperts(*_stack_in_place(block))
-    raise TypeError(f"repack: unknown expert kernel {type(k).__name__}")
-
-
 def install_expert_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str = "auto",
                            cpu_prepack: bool = True, expert_weights: torch.dtype = torch.float32,
                            bf16_dot: bool = False) -> int:
@@ -318,7 +320,7 @@ def install_native_experts(model: nn.Module, weights: torch.dtype = torch.float3
     from deepinfer.engine.models.layers import GatedMLP
     from deepinfer.engine.models.moe import MoeBlock
     from deepinfer.engine.placeholder import placeholder
-    from deepinfer.engine.weights16 import as_stored_bf16
+    from deepinfer.engine.cpu_linear import as_stored_bf16
     from deepinfer_kernels import moe_route
 
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]

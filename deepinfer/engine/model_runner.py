@@ -337,7 +337,7 @@ class ModelRunner:
             self.model.set_embedding_impl(lambda ids, pw=tied: native.packed_rows(pw, ids))
             keep = set()
         if self.bf16_checkpoint and embed is not None and getattr(self.model, "lm_head", None) is not None:
-            from deepinfer.engine.weights16 import as_stored_bf16
+            from deepinfer.engine.cpu_linear import as_stored_bf16
 
             # an untied bf16 checkpoint's embedding (loaded as fp32): looked up in bf16 and widened, exactly
             e16 = as_stored_bf16(embed.data)

@@ -28,18 +28,11 @@ from __future__ import annotations
 import torch
 
 from deepinfer.engine import cpu
-from deepinfer.engine.cpu_linear import CpuLinear, native_gemm_preferred
+from deepinfer.engine.cpu_linear import CpuLinear, as_stored_bf16, native_gemm_preferred
 from deepinfer.engine.placeholder import is_placeholder, placeholder
 from deepinfer.errors import ModelLoadError
 
 DTYPES = (torch.bfloat16, torch.float16)
-
-
-def as_stored_bf16(t: torch.Tensor) -> torch.Tensor | None:
-    """t in bf16 when every value of t is a bf16 (a bf16 checkpoint's tensor, loaded as fp32), else None:
-    kept so, and widened back where read, it gives the fp32 tensor's bits from half the bytes."""
-    b = t.to(torch.bfloat16)
-    return b if torch.equal(b.float(), t) else None
 
 
 def bf16_dot_available() -> bool:

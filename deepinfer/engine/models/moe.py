@@ -118,8 +118,6 @@ class MoeBlock(nn.Module):
         weights, the others come from fetch(e) -> (gate_up [2I, H], down [H, I]); the expert kernel is
         then repacked. Expert parallelism: moving redundant copies (distributed/eplb.py). Needs an
         expert kernel on CPU (the per-expert path's weights are packed by the linear, keyed by address)."""
-        from deepinfer.engine.expert_kernels import repack
-
         ref = self.expert_gate_up[0] if len(self.expert_gate_up) else self.gate_weight
         if self.expert_kernel is None and ref.device.type == "cpu":
             raise MoeConfigError("swap_experts needs the grouped expert kernel on CPU (kernels='auto', cpu_prepack=True)")
@@ -141,7 +139,7 @@ class MoeBlock(nn.Module):
         self.expert_down = nn.ParameterList(down)
         self._weights_in_kernel = False
         if self.expert_kernel is not None:
-            self.expert_kernel = repack(self)
+            self.expert_kernel = self.expert_kernel.repacked(self)
             if released:
                 self.release_expert_weights()
 
