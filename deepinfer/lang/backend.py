@@ -381,7 +381,7 @@ def get_default_backend() -> Any:
     global _default_engine
     with _default_lock:
         if _default_engine is None:
-            import deepinfer  # lazily: building the default engine loads a model
+            from deepinfer.engine.engine import Engine  # lazily: importing the engine loads torch
 
-            _default_engine = deepinfer.Engine()
+            _default_engine = Engine()
         return _default_engine

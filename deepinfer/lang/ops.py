@@ -1,22 +1,54 @@
-"""Lowering of `gen` / `select` to engine requests, and of their outputs back to state updates.
+"""Lowering of `gen` / `select` to engine requests, and of their outputs back to results.
 
-An op is what a state waits on. It lists the requests it needs (`requests()`), receives each
-request's incremental outputs from the runtime (`on_output`), and finishes the state when it has
-everything. Raising from `on_output` fails the op (the runtime aborts its other requests and
-records the error in the state).
+An op is plain data: what its owner (the state that waits on it, or the runtime for a shared
+prefix) asked for. It lists the requests it needs (`requests()`) and collects each request's
+outputs (`on_output`), which returns the events its owner is to receive: a streamed text delta
+(`Streamed`) and, once it has everything, its result (`GenDone`, `GenNDone`, `SelectDone`,
+`PrefixDone`). The runtime delivers them (`owner.deliver(event)`); an op never calls its owner, so
+this module imports neither the state nor the runtime. Raising from `on_output` fails the op (the
+runtime aborts its other requests and tells the owner: `owner.op_failed(op, exc)`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import ProgramError
 from deepinfer.lang.choices import sample_choice
 
-if TYPE_CHECKING:
-    from deepinfer.lang.state import ProgramState
+
+@dataclass(frozen=True)
+class Streamed:
+    """A text delta of a streamed gen's variable `name`."""
+    name: str | None
+    text: str
+
+
+@dataclass(frozen=True)
+class GenDone:
+    op: "GenOp"
+    out: RequestOutput
+
+
+@dataclass(frozen=True)
+class GenNDone:
+    op: "MultiGenOp"
+    outs: list[RequestOutput]
+
+
+@dataclass(frozen=True)
+class SelectDone:
+    op: "SelectOp"
+    index: int
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PrefixDone:
+    op: "PrefixOp"
 
 
 def _check_finished(what: str, out: RequestOutput) -> None:
@@ -36,52 +68,54 @@ def _scoring_params(context_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=0, prompt_logprobs=0)
 
 
-class Op:
-    """Base: bookkeeping the runtime uses (submitted request ids, cancellation)."""
+Event = Streamed | GenDone | GenNDone | SelectDone | PrefixDone
 
-    def __init__(self, state: "ProgramState | None") -> None:
-        self.state = state
+
+class Op:
+    """Base: the owner the runtime delivers to, and its bookkeeping (submitted request ids,
+    cancellation)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # has deliver(event) and op_failed(op, exc); opaque here
         self.rids: list[str] = []
         self.cancelled = False
 
     def requests(self) -> Iterator[tuple[Any, list[int], SamplingParams]]:
         raise NotImplementedError
 
-    def on_output(self, tag: Any, out: RequestOutput) -> None:
+    def on_output(self, tag: Any, out: RequestOutput) -> list[Event]:
         raise NotImplementedError
-
-    def fail(self, exc: BaseException) -> None:
-        """Called once when the op cannot complete (submission error, engine error, bug)."""
-        st = self.state
-        if st is not None and st.current_op is self:
-            st.fail(exc)
 
 
 class GenOp(Op):
-    """One generation request; streams deltas into the state when it is streamed."""
+    """One generation request; its text deltas go out as they come (a streamed state shows them)."""
 
-    def __init__(self, state: "ProgramState", expr: Any, params: SamplingParams, prompt: list[int]) -> None:
-        super().__init__(state)
+    def __init__(self, owner: Any, expr: Any, params: SamplingParams, prompt: list[int],
+                 streaming: bool = False) -> None:
+        super().__init__(owner)
         self.expr, self.params, self.prompt = expr, params, prompt
-        self.streamed = ""
+        self.streaming = streaming
+        self.streamed = ""  # the text the Streamed events carried so far
 
     def requests(self):
         yield None, self.prompt, self.params
 
     def on_output(self, tag, out):
-        if out.delta_text and self.state.streaming:
+        events: list[Event] = []
+        if out.delta_text and self.streaming:
             self.streamed += out.delta_text
-            self.state.stream_delta(self.expr.name, out.delta_text)
+            events.append(Streamed(self.expr.name, out.delta_text))
         if out.finished:
             _check_finished(f"gen {self.expr.name!r}", out)
-            self.state.finish_gen(self, out)
+            events.append(GenDone(self, out))
+        return events
 
 
 class MultiGenOp(Op):
     """gen(n=k): k requests with the same prompt (seeded ones get seeds seed, seed+1, ...)."""
 
-    def __init__(self, state: "ProgramState", expr: Any, params: list[SamplingParams], prompt: list[int]) -> None:
-        super().__init__(state)
+    def __init__(self, owner: Any, expr: Any, params: list[SamplingParams], prompt: list[int]) -> None:
+        super().__init__(owner)
         self.expr, self.all_params, self.prompt = expr, params, prompt
         self.params = params[0]
         self.outs: dict[int, RequestOutput] = {}
@@ -92,11 +126,12 @@ class MultiGenOp(Op):
 
     def on_output(self, tag, out):
         if not out.finished:
-            return
+            return []
         _check_finished(f"gen {self.expr.name!r} sample {tag}", out)
         self.outs[tag] = out
-        if len(self.outs) == len(self.all_params):
-            self.state.finish_gen_n(self, [self.outs[i] for i in range(len(self.all_params))])
+        if len(self.outs) < len(self.all_params):
+            return []
+        return [GenNDone(self, [self.outs[i] for i in range(len(self.all_params))])]
 
 
 class SelectOp(Op):
@@ -107,9 +142,9 @@ class SelectOp(Op):
     [BOS] + choice ids alone, for unconditional_likelihood_normalized.
     """
 
-    def __init__(self, state: "ProgramState", expr: Any, prompt: list[int], choice_ids: list[list[int]],
+    def __init__(self, owner: Any, expr: Any, prompt: list[int], choice_ids: list[list[int]],
                  bos_token_id: int | None) -> None:
-        super().__init__(state)
+        super().__init__(owner)
         self.expr, self.prompt, self.choice_ids = expr, prompt, choice_ids
         self.bos_token_id = bos_token_id
         self.method = expr.method
@@ -135,11 +170,11 @@ class SelectOp(Op):
 
     def on_output(self, tag, out):
         if not out.finished:
-            return
+            return []
         _check_finished(f"select {self.expr.name!r}", out)
         self.outs[tag] = out
         if len(self.outs) < self.need:
-            return
+            return []
         k = len(self.choice_ids)
         cond = [self._choice_logprobs(self.outs[("c", i)], len(self.choice_ids[i])) for i in range(k)]
         uncond = None
@@ -157,23 +192,19 @@ class SelectOp(Op):
             "num_cached_tokens": [self.outs[("c", i)].num_cached_tokens for i in range(k)],
             **scores,
         }
-        self.state.finish_select(self, index, meta)
+        return [SelectDone(self, index, meta)]
 
 
 class PrefixOp(Op):
-    """The prefill-only request of a batch's shared static prefix; opens the batch's gate when done."""
+    """The prefill-only request of a batch's shared static prefix (its owner: the runtime, which
+    opens the batch's gate when it is done)."""
 
-    def __init__(self, runtime: Any, batch: Any, prompt: list[int]) -> None:
-        super().__init__(None)
-        self.runtime, self.batch, self.prompt = runtime, batch, prompt
+    def __init__(self, owner: Any, batch: Any, prompt: list[int]) -> None:
+        super().__init__(owner)
+        self.batch, self.prompt = batch, prompt
 
     def requests(self):
         yield None, self.prompt, SamplingParams(max_tokens=0)
 
     def on_output(self, tag, out):
-        if out.finished:
-            self.runtime.prefix_done(self.batch)
-
-    def fail(self, exc):
-        # sharing is an optimisation: on failure just let the programs' own requests through
-        self.runtime.open_gate(self.batch)
+        return [PrefixDone(self)] if out.finished else []

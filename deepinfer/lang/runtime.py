@@ -28,7 +28,8 @@ import greenlet
 
 from deepinfer.errors import ProgramError
 from deepinfer.lang.backend import EngineBackend
-from deepinfer.lang.ops import Op, PrefixOp
+from deepinfer.lang.ops import Event, Op, PrefixDone, PrefixOp
+from deepinfer.lang.state import ProgramState, render_prompt
 
 
 @dataclass
@@ -47,8 +48,6 @@ class Program:
     """One program invocation: its function, arguments, states and greenlet."""
 
     def __init__(self, runtime: "Runtime", batch: "Batch", index: int, args: tuple, kwargs: dict) -> None:
-        from deepinfer.lang.state import ProgramState
-
         self.runtime, self.batch, self.index = runtime, batch, index
         self.backend = runtime.backend
         self.func, self.args, self.kwargs = batch.func, args, kwargs
@@ -172,7 +171,7 @@ class Runtime:
     # ------------------------------------------------------------------ called by states / ops
     def enqueue(self, op: Op) -> None:
         """Queue an op's requests for the next submission round."""
-        batch = op.state.program.batch
+        batch = op.owner.program.batch
         for tag, prompt, params in op.requests():
             self._to_submit.append((op, tag, prompt, params, batch))
 
@@ -189,6 +188,15 @@ class Runtime:
         if prog.waiting is not None and all(st.idle() for st in prog.waiting):
             prog.waiting = None
             self._ready.append(prog)
+
+    def deliver(self, event: Event) -> None:
+        """The runtime owns only the shared-prefix ops (PrefixOp): one is prefilled."""
+        if isinstance(event, PrefixDone):
+            self.prefix_done(event.op.batch)
+
+    def op_failed(self, op: Op, exc: BaseException) -> None:
+        # sharing is an optimisation: on failure just let the programs' own requests through
+        self.open_gate(op.batch)
 
     def prefix_done(self, batch: Batch) -> None:
         """The batch's shared prefix is prefilled: pin a planned one for the batch's lifetime, open the gate."""
@@ -307,8 +315,6 @@ class Runtime:
 
     def _start_planned_prefix(self, b: Batch) -> None:
         """The compiler's static prefix: prefill it once now, holding the batch's requests till then."""
-        from deepinfer.lang.state import render_prompt
-
         try:  # the static text and two programs' first prompts: their common tokens
             ids = _common_prefix([render_prompt(self.backend, leaves) for leaves in b.planned_prefix])
         except Exception:  # e.g. a role the template lacks: every program reports it; no sharing
@@ -372,7 +378,7 @@ class Runtime:
         if op.cancelled:
             return
         self._cancel(op)
-        op.fail(exc)
+        op.owner.op_failed(op, exc)
 
     def _step(self) -> None:
         self.stats.steps += 1
@@ -402,7 +408,8 @@ class Runtime:
                     self._fail_op(op, err)
                     continue
             try:
-                op.on_output(tag, out)
+                for event in op.on_output(tag, out):
+                    op.owner.deliver(event)
             except Exception as exc:
                 self._fail_op(op, exc)
         if not outs and self._reqs and not self.backend.has_unfinished():

@@ -19,17 +19,34 @@ tokenisation at that boundary.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import greenlet
 
 from deepinfer.errors import InvalidRequestError, ProgramError
 from deepinfer.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Seq, Text, as_expr, flatten
-from deepinfer.lang.ops import GenOp, MultiGenOp, SelectOp
+from deepinfer.lang.ops import Event, GenDone, GenNDone, GenOp, MultiGenOp, Op, SelectDone, SelectOp, Streamed
 from deepinfer.lang.values import decode_value
 
-if TYPE_CHECKING:
-    from deepinfer.lang.runtime import Program
+
+class Scheduler(Protocol):
+    """What a state asks of the runtime that runs it (lang/runtime.py's Runtime); the state holds
+    it through its program and never imports the runtime (the runtime imports this module)."""
+
+    def enqueue(self, op: Op) -> None: ...
+    def wait(self, prog: Any, states: list["ProgramState"]) -> None: ...
+    def state_idle(self, state: "ProgramState") -> None: ...
+    def in_loop_thread(self) -> bool: ...
+
+
+class Program(Protocol):
+    """The program invocation a state belongs to (runtime.Program): its backend, runtime (a
+    Scheduler; None when only rendering), defaults, stream flag, completion event and lock."""
+
+    backend: Any
+    runtime: Scheduler | None
+    defaults: dict[str, Any]
+    stream: bool
 
 
 class _RoleBlock:
@@ -274,7 +291,7 @@ class ProgramState:
                     for i in range(g.n)]
             self._op = MultiGenOp(self, g, many, list(self._flush_ids()))
         else:
-            self._op = GenOp(self, g, params, list(self._flush_ids()))
+            self._op = GenOp(self, g, params, list(self._flush_ids()), streaming=self._chunks is not None)
         self._prog.runtime.enqueue(self._op)
 
     def _start_select(self, sel: Select) -> None:
@@ -285,6 +302,26 @@ class ProgramState:
                 raise InvalidRequestError(f"select choice {c!r} encodes to no tokens")
         self._op = SelectOp(self, sel, prompt, choice_ids, self._be.bos_token_id)
         self._prog.runtime.enqueue(self._op)
+
+    # ------------------------------------------------------------------ what the runtime delivers
+    def deliver(self, event: Event) -> None:
+        """An event of the op this state waits on (ops.py), delivered by the runtime."""
+        if isinstance(event, Streamed):
+            self.stream_delta(event.name, event.text)
+        elif isinstance(event, GenDone):
+            self.finish_gen(event.op, event.out)
+        elif isinstance(event, GenNDone):
+            self.finish_gen_n(event.op, event.outs)
+        elif isinstance(event, SelectDone):
+            self.finish_select(event.op, event.index, event.meta)
+        else:
+            raise ProgramError(f"internal: a state cannot take {type(event).__name__}")
+
+    def op_failed(self, op: Op, exc: BaseException) -> None:
+        """An op of this state cannot complete (submission error, engine error, bug): the state
+        fails if it still waits on that op."""
+        if self._op is op:
+            self.fail(exc)
 
     def finish_gen(self, op: GenOp, out: Any) -> None:
         """The gen op's request finished with `out`: append its tokens/text, set its variable."""
