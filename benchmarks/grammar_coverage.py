@@ -4,6 +4,18 @@
         [--no-fallback] [--all-backends] [--lenient | --strict-only] [--skip-coverage] [--skip-bitmask]
         [--whitespace-ab]
         [--empirical N [--empirical-max-tokens M]]
+    .venv/bin/python benchmarks/grammar_coverage.py --bench DIR [--out ROWS.jsonl] [--schema-timeout S]
+        [--subsets A,B] [--limit N] [--workers N] [--shuffle SEED] [--backend B --no-fallback] [--lenient]
+
+--bench DIR measures a whole bench directory the way MaskBench (jsonschemabench/maskbench) does:
+DIR holds JSONSchemaBench .jsonl files or MaskBench's data/ (one .json per schema; 11,306 of them).
+One schema at a time in a worker process (killed past --schema-timeout: a "timeout"), one thread
+(xgrammar's compiler at max_threads=1), cold (nothing of a schema cached): per subset and in total,
+MaskBench's columns (passing = compiled + every valid instance accepted + every invalid rejected,
+compile error, timeout, validation error, invalidation error, TTFM and TBM percentiles) beside ours
+(declared, valid accepted and invalid rejected per instance, invalidation errors by grammars
+reported exact, which must be 0), then the same per serving backend. Rows go to --out (one JSON a
+line; a rerun resumes), so the figures can be re-read with --summary-only.
 
 Coverage (per bench file), for strict_json=True (the default) and then strict_json=False:
 declared coverage (schemas that compile), valid-instance acceptance with the rejections by cause
@@ -78,6 +90,67 @@ def coverage(args) -> None:
             print(merge("ALL", parts).row(), flush=True)
             del c, parts  # one compiler's grammars at a time (each run holds ~2 GB)
             gc.collect()
+
+
+def make_bench_compiler(backend: str = "auto", fallback: bool = True, strict: bool = True,
+                        compile_timeout: float | None = None):
+    """A compiler for the bench: the default tokenizer, xgrammar's compiler on one thread
+    (MaskBench runs every engine single-threaded)."""
+    from deepinfer.grammar import GrammarCompiler
+    from deepinfer.grammar.xgrammar_backend import XGrammarBackend
+
+    tok, stops = load_smollm2_tokenizer()
+    one_thread = {"xgrammar": lambda v: XGrammarBackend(v, max_threads=1, strict_json=strict)}
+    return GrammarCompiler(tok, tok.get_vocab_size(), stops, backend=backend, fallback=fallback,
+                           backends=one_thread, strict_json=strict, compile_timeout=compile_timeout)
+
+
+def bench(args) -> None:
+    """The whole bench directory, MaskBench's way (see the module's doc)."""
+    import functools
+    import json
+    import random
+    from collections import defaultdict
+
+    from deepinfer.grammar.coverage import bench_summary, load_bench_dir, run_bench, summary_line
+
+    out = pathlib.Path(args.out)
+    if args.summary_only:
+        rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    else:
+        records = load_bench_dir(args.bench)
+        if args.subsets:
+            keep = set(args.subsets.split(","))
+            records = [r for r in records if r["subset"] in keep]
+        if args.limit is not None:
+            by: dict[str, list] = defaultdict(list)
+            for r in records:
+                by[r["subset"]].append(r)
+            records = [r for rs in by.values() for r in random.Random(0).sample(rs, min(args.limit, len(rs)))]
+        if args.shuffle is not None:  # any prefix of the run is then a uniform sample of the bench
+            random.Random(args.shuffle).shuffle(records)
+        make = functools.partial(make_bench_compiler, args.backend, not args.no_fallback, not args.lenient,
+                                 # a backend past this counts as failing and the next one is tried; the
+                                 # schema's hard limit (worker killed) is --schema-timeout
+                                 args.schema_timeout / 2)
+        print(f"bench {args.bench}: {len(records)} schemas, backend={args.backend} fallback={not args.no_fallback} "
+              f"strict_json={not args.lenient}, rows -> {out}", flush=True)
+        rows = run_bench(records, make, out, timeout=args.schema_timeout, workers=args.workers)
+    subsets: dict[str, list] = defaultdict(list)
+    backends: dict[str, list] = defaultdict(list)
+    for r in rows:
+        subsets[r["subset"]].append(r)
+        backends[r.get("backend") or "(none)"].append(r)
+    print("per subset:")
+    for name in sorted(subsets):
+        print(summary_line(name, bench_summary(subsets[name])))
+    print(summary_line("ALL", bench_summary(rows)))
+    print("per serving backend:")
+    for name in sorted(backends):
+        print(summary_line(name, bench_summary(backends[name])))
+    leaks = [r for r in rows if r.get("exact_leaks")]
+    for r in leaks[: args.show_failures]:
+        print(f"    exact grammar accepted an invalid instance: {r['id']} ({r['backend']}) tests {r['exact_leaks']}")
 
 
 def empirical(args) -> None:
@@ -260,7 +333,19 @@ def main() -> None:
     ap.add_argument("--empirical", type=int, default=0, metavar="N",
                     help="also generate with the default model for N schemas per file (empirical coverage)")
     ap.add_argument("--empirical-max-tokens", type=int, default=256)
+    ap.add_argument("--bench", metavar="DIR", default=None,
+                    help="measure a whole bench directory MaskBench's way (e.g. MaskBench's data/)")
+    ap.add_argument("--out", default="/tmp/grammar_bench_rows.jsonl", help="--bench: rows, one JSON a line")
+    ap.add_argument("--schema-timeout", type=float, default=30.0, help="--bench: seconds per schema")
+    ap.add_argument("--workers", type=int, default=1, help="--bench: worker processes (each one thread)")
+    ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                    help="--bench: measure the schemas in a seeded random order (a partial run is a uniform sample)")
+    ap.add_argument("--subsets", default=None, help="--bench: only these subsets (comma-separated)")
+    ap.add_argument("--summary-only", action="store_true", help="--bench: print the figures of --out")
     args = ap.parse_args()
+    if args.bench or args.summary_only:
+        bench(args)
+        return
     if not args.skip_bitmask:
         bitmask_timing(args.threads)
     if not args.skip_coverage:

@@ -35,6 +35,17 @@ class InvalidSpecError(GrammarError):
     every backend refuses it; the fallback never hands it to a weaker backend."""
 
 
+class GrammarBudgetError(GrammarError):
+    """A constraint is past a compile budget: its spec's size, the compile's time or its memory.
+    `budget` names the budget ("size", "time", "memory") and `option` the EngineConfig option that
+    raises it (e.g. "grammar_max_spec_bytes"); the request fails, nothing else does."""
+
+    def __init__(self, message: str, budget: str = "", option: str = ""):
+        super().__init__(message)
+        self.budget = budget
+        self.option = option
+
+
 class OutOfBlocksError(DeepInferError):
     """The KV-cache block pool cannot satisfy an allocation (the scheduler preempts on this)."""
 

@@ -46,8 +46,15 @@ class EngineConfig:
     grammar_backend: str = "auto"
     grammar_fallback: bool = True
     # seconds one grammar backend may spend compiling one spec; past it the request fails with a
-    # GrammarError instead of waiting (compiles run off the step loop, see Engine.add_request)
+    # GrammarBudgetError instead of waiting (compiles run off the step loop, see Engine.add_request)
     grammar_compile_timeout: float | None = 60.0
+    # grammar budgets (grammar/compiler.py, issue 51): a spec text past grammar_max_spec_bytes is
+    # refused at once (None: no limit); past grammar_isolate_bytes it compiles beside the others
+    # (a pool of its own) and xgrammar compiles it in a worker process with grammar_compile_memory
+    # bytes of address space, killed at grammar_compile_timeout (GrammarBudgetError either way)
+    grammar_max_spec_bytes: int | None = 2 * 2**20
+    grammar_isolate_bytes: int | None = 256 * 2**10
+    grammar_compile_memory: int = 2 * 2**30
     # verify the grammar's forced continuation (e.g. a JSON key) as draft tokens: one forward pass
     # for the whole run instead of one per token, and the output is what it would be without it
     # (in the synchronous loop, or the overlapped one while speculation drafts; otherwise the
@@ -156,6 +163,12 @@ class EngineConfig:
             and self.grammar_compile_timeout > 0
         ):
             raise bad(f"grammar_compile_timeout must be a number of seconds > 0 or None, got {self.grammar_compile_timeout!r}")
+        for name in ("grammar_max_spec_bytes", "grammar_isolate_bytes", "grammar_compile_memory"):
+            v = getattr(self, name)
+            if (v is not None or name == "grammar_compile_memory") and (
+                    isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise bad(f"{name} must be a number of bytes > 0{'' if name == 'grammar_compile_memory' else ' or None'}, "
+                          f"got {v!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise bad(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.device == "cpu":
@@ -180,6 +193,11 @@ class EngineConfig:
         if self.grammar_backend not in ("auto", "xgrammar", "llguidance", "outlines"):
             raise bad(f"grammar_backend must be 'auto', 'xgrammar', 'llguidance' or 'outlines', "
                       f"got {self.grammar_backend!r}")
+
+    def grammar_budgets(self) -> dict[str, Any]:
+        """The GrammarCompiler budget arguments these options give."""
+        return {"max_spec_bytes": self.grammar_max_spec_bytes, "isolate_bytes": self.grammar_isolate_bytes,
+                "compile_memory": self.grammar_compile_memory}
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> "EngineConfig":

@@ -131,7 +131,7 @@ class Engine:
         self.vocab_size = self.model_config.vocab_size
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             cfg.grammar_backend, cfg.grammar_fallback, self.stats,
-                                            cfg.grammar_compile_timeout)
+                                            cfg.grammar_compile_timeout, cfg.grammar_budgets())
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, cfg.seed, self.structured)
         self.step_sampler = StepSampler(Sampler(kernels=cfg.kernels), self.structured, self.eos_token_ids, self.stats)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len, self.structured, self.kv, self.stats)
@@ -281,7 +281,9 @@ class Engine:
         seq = self.inputs.new_sequence(request_id, ids, params, grammar_wait=0.0 if busy else None,
                                        adopt_precompile=not busy)
         self._seqs[request_id] = seq
-        if seq.grammar_pending is not None and busy:
+        # a large spec's compile (seconds to minutes) is held back even on an idle engine: waited
+        # for here or in a step, it would stall every other request (issue 51)
+        if seq.grammar_pending is not None and (busy or self.structured.deferred(seq)):
             self._compiling.append(seq)
         else:
             self.scheduler.add(seq)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import InvalidRequestError, UnknownParameterError
+from deepinfer.grammar.spec import MAX_INTEGER_DIGITS
 
 
 @dataclass
@@ -53,8 +54,16 @@ class SamplingParams:
     json_object: bool = False
     # constrained output only: near max_tokens allow only tokens after which the grammar can still
     # complete in the tokens left (deepinfer.grammar.budget), so the output parses instead of
-    # ending half-written with finish_reason="length"
-    complete_within_budget: bool = False
+    # ending half-written with finish_reason="length". None (the default): on where the result is
+    # a typed value (json_schema, json_object, dtype), off otherwise; resolved to a bool at
+    # construction. Off, 20 of 200 typed {name: str, age: int} gens at max_tokens=48 on SmolLM2-135M
+    # ended half-written (issue 51).
+    complete_within_budget: bool | None = None
+    # json_schema only: an integer with no bound on a side gets one there, |n| < 10**digits
+    # (deepinfer.grammar.spec.cap_integers), listed in RequestOutput.grammar_approximated as
+    # "integer digits (max_integer_digits)" (a narrowing: outputs stay valid). 1 to 15 (the most
+    # llguidance keeps exact); None lifts the cap (integers unbounded, as JSON Schema has them)
+    max_integer_digits: int | None = MAX_INTEGER_DIGITS
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -91,8 +100,10 @@ class SamplingParams:
             setattr(self, name, float(v))
         for name in _BOOL_FIELDS:
             v = getattr(self, name)
+            if v is None and name in _OPTIONAL:
+                continue
             if not isinstance(v, bool):
-                raise bad(name, "True or False", v)
+                raise bad(name, "True or False" + (" (or None)" if name in _OPTIONAL else ""), v)
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
@@ -150,6 +161,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 20:
                 raise bad(f"{name} must be None or an int in [0, 20], got {v!r}")
+        if self.max_integer_digits is not None and not 1 <= self.max_integer_digits <= MAX_INTEGER_DIGITS:
+            raise bad(f"max_integer_digits must be None or an int in [1, {MAX_INTEGER_DIGITS}] (llguidance "
+                      f"reads wider integer bounds inexactly), got {self.max_integer_digits!r}")
         if self.prompt_logprobs_start < 0:
             raise bad(f"prompt_logprobs_start must be an int >= 0, got {self.prompt_logprobs_start!r}")
         if self.choices is not None:
@@ -164,10 +178,17 @@ class SamplingParams:
         )
         if n_constraints > 1:
             raise bad("give at most one of regex, json_schema, grammar, choices, dtype, json_object")
+        if self.complete_within_budget is None:  # typed results close inside max_tokens by default
+            self.complete_within_budget = self.typed
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def typed(self) -> bool:
+        """Whether the output decodes into a value (a JSON schema or object, a dtype), not text."""
+        return self.json_schema is not None or self.dtype is not None or self.json_object
 
     @property
     def constrained(self) -> bool:
@@ -176,8 +197,9 @@ class SamplingParams:
         ) or self.json_object
 
 
-_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
-_OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
+_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "prompt_logprobs_start",
+               "max_integer_digits")
+_OPTIONAL = ("seed", "logprobs", "prompt_logprobs", "complete_within_budget", "max_integer_digits")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 # complete_within_budget too: the string "no" is truthy and would turn the budget guard on
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "json_object",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import torch
 
@@ -22,13 +23,18 @@ from deepinfer.engine.stats import EngineStats
 
 class StructuredOutputs:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], backend: str, fallback: bool,
-                 stats: EngineStats, compile_timeout: float | None = 60.0):
+                 stats: EngineStats, compile_timeout: float | None = 60.0, budgets: dict | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.backend = backend
         self.fallback = fallback
         self.compile_timeout = compile_timeout
+        # GrammarCompiler max_spec_bytes / isolate_bytes / compile_memory (EngineConfig grammar_*)
+        self.budgets = dict(budgets or {})
+        # compiles of large specs (GrammarCompiler.is_large) a request waits for off the step loop,
+        # never adopted into a step (see attach)
+        self._deferred: weakref.WeakSet = weakref.WeakSet()
         self.stats = stats
         self._compiler = None  # built at the first constrained request (compiling the vocab costs time)
         self._uploader = None  # pinned host -> device copy of each step's mask (non-CPU logits)
@@ -47,14 +53,15 @@ class StructuredOutputs:
 
         spec = spec_from_params(
             regex=p.regex, json_schema=p.json_schema, grammar=p.grammar, choices=p.choices, dtype=p.dtype,
-            json_object=p.json_object,
+            json_object=p.json_object, max_integer_digits=getattr(p, "max_integer_digits", None),
         )
         with self._compiler_lock:  # precompile() may come from another thread than the step loop
             if spec is not None and self._compiler is None:
                 self._compiler = GrammarCompiler(
                     self.tokenizer.hf, self.vocab_size, self.eos_token_ids, backend=self.backend,
-                    fallback=self.fallback, compile_timeout=self.compile_timeout,
+                    fallback=self.fallback, compile_timeout=self.compile_timeout, **self.budgets,
                 )
+                self._compiler.warm_async()  # the other kinds' backends, off the step loop
         return spec
 
     def precompile(self, params: SamplingParams):
@@ -88,29 +95,43 @@ class StructuredOutputs:
 
         adopt_precompile: if a `precompile` of the spec is still running, leave seq.grammar_pending
         set to it at once, whatever `wait` (the engine then prefills the sequence while it compiles
-        and `bind_pending` waits for it before the sequence's first sample)."""
+        and `bind_pending` waits for it before the sequence's first sample).
+
+        A large spec (GrammarCompiler.is_large: seconds to minutes of compile) never compiles here
+        nor is adopted, whatever `wait`: it compiles in the compiler's pool for large specs and
+        seq.grammar_pending is left set (`deferred(seq)` is then true), so the engine holds seq
+        back until it is ready instead of blocking add_request or a step on it (issue 51)."""
         from concurrent.futures import TimeoutError as FutureTimeout
 
         spec = self._spec(params)
         if spec is None:
             return
-        if adopt_precompile:
+        large = self._compiler.is_large(spec) and not self._compiler.is_cached(spec)
+        if adopt_precompile and not large:
             with self._compiler_lock:
                 running = self._precompiling.get(spec)
             if running is not None and not running.done():
                 seq.grammar_pending = running
                 self.adopted += 1
                 return
-        if wait is None or self._compiler.is_cached(spec):
+        if (wait is None and not large) or self._compiler.is_cached(spec):
             self._bind(seq, *self._compiler.compile(spec))
             return
         future = self._compiler.compile_async(spec)
+        if large:
+            self._deferred.add(future)
+            wait = 0.0
         try:
             result = future.result(timeout=wait)
         except FutureTimeout:
             seq.grammar_pending = future
             return
         self._bind(seq, *result)
+
+    def deferred(self, seq: Sequence) -> bool:
+        """Whether seq waits for a large spec's compile (attach): the engine must hold it back, even
+        on an idle engine, rather than queue it and wait in a step."""
+        return seq.grammar_pending is not None and seq.grammar_pending in self._deferred
 
     def finish_attach(self, seq: Sequence) -> None:
         """Bind the grammar a sequence waited for (its compile is done). Raises its GrammarError."""
@@ -203,11 +224,30 @@ class StructuredOutputs:
             return None
         guard = self._compiler.budget_guard()
         n_out = len(seq.output_token_ids) - len(seq.placeholders)
+        spec = getattr(seq.grammar, "spec", None)
+        is_json = spec is not None and (spec.kind in ("json_schema", "json_object") or spec.dtype == "str")
 
-        def restrict(bitmask: torch.Tensor, row: int, j: int) -> None:
-            guard.restrict(seq.matcher, bitmask, row, logits[row], p.max_tokens - (n_out + j))
+        def restrict(bitmask: torch.Tensor, row: int, j: int, drafts=()) -> None:
+            lex = (lambda: self._json_lex(seq, guard, n_out, drafts[:j])) if is_json else None
+            guard.restrict(seq.matcher, bitmask, row, logits[row], p.max_tokens - (n_out + j), lex)
 
         return restrict
+
+    @staticmethod
+    def _json_lex(seq: Sequence, guard, n_out: int, drafts) -> tuple[bool, bool]:
+        """The JSON lexer state (grammar/budget.py lex_json) after the first n_out output tokens and
+        drafts: kept on the matcher up to the output's end, so each token is lexed once."""
+        from deepinfer.grammar.budget import JSON_START
+
+        n, state = getattr(seq.matcher, "_budget_lex", (0, JSON_START))
+        if n > n_out:  # the output got shorter (never in practice): lex it again
+            n, state = 0, JSON_START
+        for t in seq.output_token_ids[n:n_out]:
+            state = guard._advance(state, t)
+        seq.matcher._budget_lex = (n_out, state)
+        for t in drafts:
+            state = guard._advance(state, t)
+        return state
 
     @staticmethod
     def _walk_drafts(seq: Sequence, bitmask: torch.Tensor, r0: int, drafts: list[int], guard=None) -> int:
@@ -224,7 +264,7 @@ class StructuredOutputs:
                 break
             m.fill_bitmask(bitmask, r0 + walked)
             if guard is not None:
-                guard(bitmask, r0 + walked, walked)
+                guard(bitmask, r0 + walked, walked, drafts)
             valid = walked
         if walked:
             m.rollback(walked)

@@ -16,10 +16,10 @@ from typing import Callable, Mapping
 
 import tokenizers
 
-from deepinfer.errors import GrammarError, InvalidSpecError
+from deepinfer.errors import GrammarBudgetError, GrammarError, InvalidSpecError
 from deepinfer.grammar.backend import CompiledGrammar, GrammarBackend
 from deepinfer.grammar.bitmask import allocate_token_bitmask
-from deepinfer.grammar.emptiness import regex_is_empty
+from deepinfer.grammar.emptiness import ebnf_is_empty, regex_is_empty, schema_is_empty
 from deepinfer.grammar.exactness import (
     check_spec,
     diagnostics_keywords,
@@ -52,6 +52,16 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "ebnf": ("xgrammar", "llguidance", "outlines"),
     "choices": ("xgrammar", "llguidance", "outlines"),
 }
+# Budgets (issue 51: one request's schema never slows or breaks another's). A spec's text past
+# MAX_SPEC_BYTES is refused at once (GrammarBudgetError). Past ISOLATE_BYTES the backends that cannot
+# be interrupted compile in a worker process (isolated.py) with COMPILE_MEMORY bytes of address
+# space, killed at compile_timeout, and such a spec compiles in its own thread pool, so smaller
+# constraints never queue behind it. The JSONSchemaBench subsets' largest schema is 72 KB (compiles
+# in-process as before); the issue's 1.17 MB schema (9,000 optional properties) made xgrammar grow
+# 1.4 -> 4.6 GB in 540 s and outlines-core ~290 MB/s, its 2.3 MB twin OOM-killed the engine at 24 GB.
+MAX_SPEC_BYTES = 2 * 2**20
+ISOLATE_BYTES = 256 * 2**10
+COMPILE_MEMORY = 2 * 2**30
 _ALIASES = {"outlines-core": "outlines", "outlines_core": "outlines"}
 BackendFactory = Callable[[TokenizerVocab], GrammarBackend]
 
@@ -75,11 +85,20 @@ def _default_factories(strict_json: bool) -> dict[str, BackendFactory]:
     return {"xgrammar": xgrammar, "llguidance": llguidance, "outlines": outlines}
 
 
-def check_nonempty(compiled: CompiledGrammar, vocab_size: int) -> None:
+#: first-mask tokens check_nonempty walks one step on a fresh matcher each
+PROBE_TOKENS = 4
+
+
+def check_nonempty(compiled: CompiledGrammar, vocab_size: int, probe: bool = False) -> None:
     """InvalidSpecError when the grammar allows nothing at all from its start (e.g. the regex
-    `[^\\s\\S]`): a spec with an empty language is invalid whichever backend compiled it."""
+    `[^\\s\\S]`): a spec with an empty language is invalid whichever backend compiled it.
+    probe: also accept each of the first PROBE_TOKENS tokens the first mask allows, on a fresh
+    matcher each, so a backend that cannot take its own first step (llguidance past a parser limit
+    on the issue-51 schema: every token after `{` refused) fails here, where the next backend is
+    tried, not at the request's first sampled token. A probe that refuses a masked-in token raises
+    GrammarError."""
     m = compiled.new_matcher()
-    if m.can_terminate():
+    if m.can_terminate() and not probe:
         return
     mask = allocate_token_bitmask(1, vocab_size)
     m.fill_bitmask(mask, 0)
@@ -87,6 +106,23 @@ def check_nonempty(compiled: CompiledGrammar, vocab_size: int) -> None:
         raise InvalidSpecError(
             f"{compiled.spec.kind} spec admits no output: no token can start it (its language is empty)"
         )
+    if not probe:
+        return
+    words = mask[0].nonzero().flatten().tolist()
+    tried = 0
+    for w in words:
+        bits = int(mask[0, w]) & 0xFFFFFFFF
+        while bits and tried < PROBE_TOKENS:
+            b = (bits & -bits).bit_length() - 1
+            bits &= bits - 1
+            t = 32 * w + b
+            if t >= vocab_size:
+                break
+            tried += 1
+            if not compiled.new_matcher().accept_token(t):
+                raise GrammarError(f"{compiled.backend_name}: its first mask allows token {t}, which its matcher refuses")
+        if tried >= PROBE_TOKENS:
+            break
 
 
 class _Pending:
@@ -113,9 +149,13 @@ class GrammarCompiler:
     strict_json: schemas forbid undeclared properties and tuple items (xgrammar's strict mode;
     for llguidance written into the schema where that only narrows, see strict.py).
     compile_timeout: seconds one backend may spend on one spec; past it that backend counts as
-    unable to compile it (the next one is tried), so a pathological schema becomes a GrammarError,
-    not a stall. Its compilation cannot be interrupted: it finishes in a daemon thread and is
-    dropped. compile_async runs compile in a pool of compile_threads threads.
+    unable to compile it (the next one is tried), so a pathological schema becomes a
+    GrammarBudgetError, not a stall. An in-process compilation cannot be interrupted: it finishes
+    in a daemon thread and is dropped; a spec past isolate_bytes compiles xgrammar in a worker
+    process instead (isolated.py: compile_memory bytes of address space, killed at the deadline),
+    and outlines (whose index cannot leave its process) does not serve it. max_spec_bytes: a spec
+    text past it is refused at once (GrammarBudgetError; None: no limit). compile_async runs
+    compile in a pool of compile_threads threads, specs past isolate_bytes in a pool of their own.
     """
 
     def __init__(
@@ -129,13 +169,26 @@ class GrammarCompiler:
         strict_json: bool = True,
         compile_timeout: float | None = 120.0,
         compile_threads: int = 2,
+        max_spec_bytes: int | None = MAX_SPEC_BYTES,
+        isolate_bytes: int | None = ISOLATE_BYTES,
+        compile_memory: int = COMPILE_MEMORY,
     ):
         self._factories = _default_factories(strict_json)
         if compile_timeout is not None and not compile_timeout > 0:
             raise GrammarError(f"compile_timeout must be > 0 seconds or None, got {compile_timeout!r}")
+        for name, v in (("max_spec_bytes", max_spec_bytes), ("isolate_bytes", isolate_bytes)):
+            if v is not None and not (isinstance(v, int) and v > 0):
+                raise GrammarError(f"{name} must be a number of bytes > 0 or None, got {v!r}")
+        if not (isinstance(compile_memory, int) and compile_memory > 0):
+            raise GrammarError(f"compile_memory must be a number of bytes > 0, got {compile_memory!r}")
         self.compile_timeout = compile_timeout
+        self.max_spec_bytes = max_spec_bytes
+        self.isolate_bytes = isolate_bytes
+        self.compile_memory = compile_memory
+        self._strict_json = strict_json
         self._compile_threads = compile_threads
         self._executor = None  # made on the first compile_async
+        self._large_executor = None  # specs past isolate_bytes: made on the first such compile_async
         self._factories.update(backends or {})
         backend = _ALIASES.get(backend, backend)
         if backend != AUTO and backend not in self._factories:
@@ -150,6 +203,7 @@ class GrammarCompiler:
         self._cache: dict[GrammarSpec, _Pending] = {}
         self._lock = threading.Lock()
         self._backend_lock = threading.Lock()
+        self._backend_locks: dict[str, threading.Lock] = {}
         #: counters: compiles (backend compile calls), cache_hits, fallbacks, failures, and
         #: served_<backend> per backend that served a compiled spec
         self.stats: Counter[str] = Counter()
@@ -172,8 +226,11 @@ class GrammarCompiler:
         return chain if self.fallback else chain[:1]
 
     def get_backend(self, name: str) -> GrammarBackend:
-        """The named backend for this vocabulary, created once."""
+        """The named backend for this vocabulary, created once (one lock per backend: creating
+        xgrammar's, 2.6 s with its import, never holds up a compile on llguidance)."""
         with self._backend_lock:
+            lock = self._backend_locks.setdefault(name, threading.Lock())
+        with lock:
             if name in self._backend_errors:
                 raise self._backend_errors[name]
             be = self._backends.get(name)
@@ -230,12 +287,31 @@ class GrammarCompiler:
         grammar wins; an approximated one is kept only while no later backend does better
         (ties go to the earlier backend). An invalid spec is refused before any backend and a
         backend's InvalidSpecError ends the search: no weaker backend may serve it."""
+        size = len(spec.text.encode("utf-8"))
+        if self.max_spec_bytes is not None and size > self.max_spec_bytes:
+            with self._lock:
+                self.stats["failures"] += 1
+                self.stats["over_budget"] += 1
+            raise GrammarBudgetError(
+                f"{spec.kind} spec is {size} bytes, past the {self.max_spec_bytes}-byte budget: refused without "
+                f"compiling; raise grammar_max_spec_bytes (GrammarCompiler max_spec_bytes) to allow it",
+                budget="size", option="grammar_max_spec_bytes")
         try:
             if spec.kind == "regex" and regex_is_empty(spec.text):
                 raise InvalidSpecError(
                     f"regex {spec.text!r} matches no string: its language is empty (e.g. a class like [^\\s\\S])"
                 )
+            if spec.kind == "ebnf" and ebnf_is_empty(spec.text):
+                raise InvalidSpecError(
+                    "ebnf spec admits no output: its root rule derives no finite string (every alternative "
+                    "recurses without end, e.g. a ::= \"x\" a)"
+                )
             check_spec(spec)
+            if spec.kind == "json_schema" and schema_is_empty(schema_of(spec)):
+                raise InvalidSpecError(
+                    "json_schema spec admits no output: no finite instance exists (a required property or "
+                    "item refers back to a schema it is inside, with no way out)"
+                )
         except InvalidSpecError:
             with self._lock:
                 self.stats["failures"] += 1
@@ -258,7 +334,9 @@ class GrammarCompiler:
                 schema = lowered
                 target = GrammarSpec(spec.kind, json.dumps(lowered, ensure_ascii=False))
         errors: list[str] = []
+        budget_errors: list[GrammarBudgetError] = []
         best: tuple[CompiledGrammar, str, int] | None = None
+        large = self.is_large(spec)
         for i, name in enumerate(self.backend_order(spec.kind)):
             floor = table_approximated(name, schema) if schema is not None else []
             if best is not None and len(floor) >= len(best[0].approximated):
@@ -267,20 +345,24 @@ class GrammarCompiler:
                 be = self.get_backend(name)
                 with self._lock:
                     self.stats["compiles"] += 1
-                compiled = self._limited(be, target)
+                compiled = self._limited(be, target, name, large)
                 compiled.spec = spec  # the user's spec: validation at finish checks against it
                 compiled.approximated = tuple(sorted(set(floor) | set(diagnostics_keywords(compiled.warnings))))
                 if compiled.strict and not compiled.narrowed and schema is not None and spec.kind == "json_schema":
                     # xgrammar's own strict mode: what it narrows is read off the schema (llguidance's
                     # rewrite reports what it narrowed itself)
                     compiled.narrowed = tuple(strict_narrowing(schema))
-                check_nonempty(compiled, self.vocab.vocab_size)
+                if spec.narrowed:  # what spec_from_params narrowed itself (the integer digit cap)
+                    compiled.narrowed = tuple(sorted({*compiled.narrowed, *spec.narrowed}))
+                check_nonempty(compiled, self.vocab.vocab_size, probe=large)
             except InvalidSpecError:
                 with self._lock:
                     self.stats["failures"] += 1
                     self.stats["invalid_specs"] += 1
                 raise
             except GrammarError as e:
+                if isinstance(e, GrammarBudgetError):
+                    budget_errors.append(e)
                 # most backend errors name their backend already ("invalid regex (xgrammar): ..."):
                 # a second "xgrammar: " in front would say it twice
                 msg = str(e)
@@ -304,13 +386,44 @@ class GrammarCompiler:
             return compiled, name
         with self._lock:
             self.stats["failures"] += 1
+        if budget_errors:  # a budget stopped it: the error names the budget and its option
+            first = budget_errors[0]
+            msg = errors[0] if len(errors) == 1 else f"no grammar backend compiled this {spec.kind} spec within its budgets: " + "; ".join(errors)
+            raise GrammarBudgetError(msg, budget=first.budget, option=first.option)
         if len(errors) == 1:
             raise GrammarError(errors[0])
         raise GrammarError(f"no grammar backend can compile this {spec.kind} spec: " + "; ".join(errors))
 
-    def _limited(self, be: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
+    def is_large(self, spec: GrammarSpec | object) -> bool:
+        """Whether spec is past isolate_bytes (and within max_spec_bytes, past which it is refused at
+        once): its uninterruptible compiles run in a worker process, and compile_async runs it in the
+        pool for large specs."""
+        spec = spec_of(spec)
+        if spec is None or self.isolate_bytes is None:
+            return False
+        size = len(spec.text.encode("utf-8"))
+        return self.isolate_bytes < size and (self.max_spec_bytes is None or size <= self.max_spec_bytes)
+
+    def _limited(self, be: GrammarBackend, spec: GrammarSpec, name: str = "", large: bool = False) -> CompiledGrammar:
         """be.compile(spec) within compile_timeout (in a daemon thread: a C++ compile cannot be
-        cancelled, so one that overruns is left to finish and its result dropped)."""
+        cancelled, so one that overruns is left to finish and its result dropped). A large spec
+        (is_large) compiles xgrammar in a worker process killed at the deadline (isolated.py);
+        outlines refuses it (its compiled index cannot come back from a worker, and in-process it
+        grew ~290 MB/s on the issue's 9,000-property schema); llguidance compiles in-process, bounded
+        by its own parser limits (lexer fuel, grammar size, items per row)."""
+        if large and name == "xgrammar" and be.__class__.__name__ == "XGrammarBackend":
+            from deepinfer.grammar.isolated import compile_isolated
+
+            try:
+                return compile_isolated(be, self.tokenizer.to_str(), self.vocab.vocab_size, self.vocab.stop_token_ids,
+                                        self._strict_json, spec, self.compile_timeout, self.compile_memory)
+            except GrammarBudgetError:
+                with self._lock:
+                    self.stats["timeouts"] += 1
+                raise
+        if large and name == "outlines":
+            raise GrammarError(f"outlines: a spec past isolate_bytes ({self.isolate_bytes}) compiles only in a worker "
+                               "process, and outlines-core's index cannot be shipped back from one")
         if self.compile_timeout is None:
             return be.compile(spec)
         box: dict[str, object] = {}
@@ -328,7 +441,9 @@ class GrammarCompiler:
         if not done.wait(self.compile_timeout):
             with self._lock:
                 self.stats["timeouts"] += 1
-            raise GrammarError(f"compiling took longer than {self.compile_timeout:g}s (limit compile_timeout)")
+            raise GrammarBudgetError(
+                f"compiling took longer than {self.compile_timeout:g}s; raise grammar_compile_timeout "
+                "(GrammarCompiler compile_timeout) to allow more", budget="time", option="grammar_compile_timeout")
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
         return box["result"]  # type: ignore[return-value]
@@ -340,15 +455,38 @@ class GrammarCompiler:
             pending = self._cache.get(spec)
         return pending is not None and pending.done.is_set()
 
+    def warm_async(self):
+        """A Future of creating, in the compile pool, the first backend of every kind's chain, so a
+        later constraint does not pay it (xgrammar's: 2.6 s, 5.4 s beside a large compile on the
+        2-core host, which kept a `choices` request submitted after issue 51's schema waiting)."""
+        names = list(dict.fromkeys(self.backend_order(k)[0] for k in AUTO_ORDER))
+
+        def warm() -> None:
+            for n in names:
+                try:
+                    self.get_backend(n)
+                except GrammarError:
+                    pass  # cached: the first compile on it reports it
+
+        return self._pool(large=False).submit(warm)
+
+    def _pool(self, large: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self._lock:
+            if large:  # never in front of the small ones: a large compile takes seconds to minutes
+                if self._large_executor is None:
+                    self._large_executor = ThreadPoolExecutor(self._compile_threads,
+                                                              thread_name_prefix="grammar-compile-large")
+                return self._large_executor
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._compile_threads, thread_name_prefix="grammar-compile")
+            return self._executor
+
     def compile_async(self, spec: GrammarSpec | object):
         """A concurrent.futures.Future of compile(spec), run in this compiler's thread pool, so a
         caller (the engine's step loop) can keep going while distinct specs compile."""
-        with self._lock:
-            if self._executor is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._executor = ThreadPoolExecutor(self._compile_threads, thread_name_prefix="grammar-compile")
-        return self._executor.submit(self.compile, spec)
+        return self._pool(self.is_large(spec)).submit(self.compile, spec)
 
     def budget_guard(self):
         """The BudgetGuard (complete_within_budget) for this vocabulary, made once."""

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from deepinfer.errors import GrammarError
-from deepinfer.grammar.spec import _is_pydantic_model, spec_of
+from deepinfer.grammar.spec import _is_pydantic_model, spec_of, uses_pydantic
 
 
 def _decode_dtype(name: str, text: str) -> Any:
@@ -32,7 +32,8 @@ def decode_output(spec_or_params: Any, text: str) -> Any:
 
     spec_or_params is a GrammarSpec or an object with constraint attributes (SamplingParams).
     JSON schemas given as a msgspec.Struct / TypedDict / type hint decode through msgspec into
-    that type, a pydantic model through model_validate_json, a dict/str schema and json_object
+    that type (its msgspec.Meta bounds checked), a pydantic model through model_validate_json, a
+    type with pydantic constraints (Field / conint / constr) through pydantic.TypeAdapter, a dict/str schema and json_object
     into plain Python objects; dtype specs give int/float/bool/str; regex, choices and EBNF give
     the text itself. Raises GrammarError when the text does not parse as required.
     """
@@ -48,6 +49,10 @@ def decode_output(spec_or_params: Any, text: str) -> Any:
                 return json.loads(text)
             if _is_pydantic_model(tp):
                 return tp.model_validate_json(text)
+            if uses_pydantic(tp):  # pydantic bounds in a hint / dataclass / TypedDict (spec.schema_from_type)
+                import pydantic
+
+                return pydantic.TypeAdapter(tp).validate_json(text)
             return msgspec.json.decode(text.encode("utf-8"), type=tp)
         except Exception as e:  # json / msgspec / pydantic each raise their own error type
             raise GrammarError(f"output does not decode as the requested JSON type: {e}") from e

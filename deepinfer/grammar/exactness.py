@@ -32,6 +32,9 @@ VALIDATION_KEYWORDS = frozenset({
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf",
     "allOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
     "unevaluatedProperties", "unevaluatedItems", "contentSchema",
+    # draft 3's own (jsonschema's Draft3Validator enforces them; no backend knows them: found as an
+    # exact grammar accepting 3 for {"$schema": draft-03, "divisibleBy": 2})
+    "divisibleBy", "disallow", "extends",
 })
 
 # Formats each backend's grammar enforces at least as strictly as jsonschema's FormatChecker.
@@ -48,9 +51,12 @@ _COMMON_EXACT = frozenset({
 #: overlapping branches, allOf with several branches, pattern/format with length bounds, anchors
 #: inside a pattern) come from the backend's own warnings, see diagnostics_keywords.
 EXACT_KEYWORDS: dict[str, frozenset[str]] = {
+    # not allOf: what lowering.py cannot merge stays an allOf, and xgrammar silently drops such a
+    # branch ("a" accepted for {"pattern": "^a", "allOf": [{"pattern": "b$"}]}; {"b": 1} for an
+    # additionalProperties-false parent whose allOf branch declares b); several branches it warns about
     "xgrammar": _COMMON_EXACT | {
         "additionalProperties", "patternProperties", "propertyNames", "minProperties", "maxProperties",
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "oneOf", "allOf",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "oneOf",
         "unevaluatedProperties",
     },
     # llguidance refuses the keywords it does not implement, so its table is what it compiles
@@ -94,10 +100,64 @@ def subschemas(schema: Any) -> Iterator[dict]:
             yield from subschemas(sub)
 
 
+#: reported for a draft-03 schema: its `required: true`, `type` holding schemas, `divisibleBy`,
+#: `extends` and `disallow` mean what no backend implements (they compile draft 4+ meanings)
+DRAFT3 = "$schema (draft-03)"
+#: a non-integral multipleOf: jsonschema divides binary floats (0.3 / 0.1 = 2.9999999999999996, so
+#: 0.3 is not a multiple of 0.1 there), llguidance decides in decimal (0.3 is): the two disagree
+FLOAT_MULTIPLE = "multipleOf (non-integer)"
+#: an exclusive bound on a non-integer number: the validator compares the instance's nearest double
+#: (0.09999999999999999999 reads as 0.1, so it fails exclusiveMaximum 0.1), the grammars compare the
+#: decimal text (it is below 0.1); a bound past 2**53 is not a double itself either
+FLOAT_BOUND = "{} (float)"
+_EXACT_DOUBLE = 2**53
+
+
+def _draft(schema: Any) -> str:
+    """The root's draft as jsonschema reads its $schema ("2020-12" when absent or unknown)."""
+    uri = schema.get("$schema") if isinstance(schema, dict) else None
+    if not isinstance(uri, str):
+        return "2020-12"
+    for name in ("draft-03", "draft-04", "draft-06", "draft-07", "2019-09"):
+        if name in uri:
+            return name
+    return "2020-12"
+
+
+def _admits_fractions(s: dict) -> bool:
+    """Whether s's type lets a number with a fraction through (no type, or "number")."""
+    t = s.get("type")
+    ts = set(t) if isinstance(t, list) else {t} if t is not None else None
+    return ts is None or "number" in ts
+
+
+def _numeric_context(s: dict) -> set[str]:
+    """The numeric keywords of one subschema whose meaning depends on float arithmetic (see
+    FLOAT_MULTIPLE / FLOAT_BOUND)."""
+    out: set[str] = set()
+    m = s.get("multipleOf")
+    if _num(m) and not float(m).is_integer():
+        out.add(FLOAT_MULTIPLE)
+    if not _admits_fractions(s):
+        return out
+    for k in ("exclusiveMinimum", "exclusiveMaximum"):
+        v = s.get(k)
+        if v is True or _num(v):  # draft 4's boolean form makes minimum/maximum exclusive
+            out.add(FLOAT_BOUND.format(k))
+    for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        v = s.get(k)
+        if _num(v) and abs(v) > _EXACT_DOUBLE:
+            out.add(FLOAT_BOUND.format(k))
+    return out
+
+
 def keywords_used(schema: Any) -> set[str]:
     """The validation keywords schema uses anywhere ("format" only for formats outside EXACT_FORMATS
-    counts as "format:<name>")."""
+    counts as "format:<name>"), plus the contexts no backend enforces as the validator does: a
+    draft-03 schema (DRAFT3) and float arithmetic (FLOAT_MULTIPLE, FLOAT_BOUND)."""
     used: set[str] = set()
+    if _draft(schema) == "draft-03":
+        used.add(DRAFT3)
     for s in subschemas(schema):
         for k in s:
             if k not in VALIDATION_KEYWORDS:
@@ -106,14 +166,97 @@ def keywords_used(schema: Any) -> set[str]:
                 used.add(f"format:{s[k]}")
             else:
                 used.add(k)
+        used |= _numeric_context(s)
     return used
+
+
+def _negated_classes(pattern: str) -> list[str]:
+    """The bodies of the negated character classes (`[^...]`) of a regex, as written."""
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            j = i + 1
+            neg = pattern.startswith("^", j)
+            j += neg
+            if pattern.startswith("]", j):  # a leading ] is literal
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            if neg:
+                out.append(pattern[i + 2 : j])
+            i = j + 1
+            continue
+        i += 1
+    return out
+
+
+# the two characters a JSON string writes escaped (\" and \\), as a regex class may spell them
+_QUOTE_OR_BACKSLASH = ('"', "\\\\", "x22", "x5c", "x5C", "u0022", "u005c", "u005C")
+# what can match a backslash of the JSON text itself (a negated class, a dot, \W \S \D)
+_MATCHES_RAW_ESCAPES = re.compile(r"\[\^|(?<!\\)\.|\\[WSD]")
+
+
+def _pattern_context(backend: str, pattern: str) -> bool:
+    """Whether a backend's grammar for this pattern lets through a JSON escape the pattern refuses
+    once decoded. llguidance: a negated class that excludes `"` or `\\` (`^[^"]*$` accepted
+    "a\\"b", which decodes to a"b; `[^x]` or `[^\\s"]` are enforced). outlines-core matches the JSON
+    text, escapes undecoded: `^[^a]+$` accepted "\\u0061"."""
+    if backend == "llguidance":
+        return any(q in body for body in _negated_classes(pattern) for q in _QUOTE_OR_BACKSLASH)
+    if backend == "outlines":
+        return bool(_MATCHES_RAW_ESCAPES.search(pattern))
+    return False
+
+
+def _shadowed_properties(s: dict) -> bool:
+    """Whether a declared property name also matches one of the object's patternProperties (its
+    value must then satisfy both; xgrammar applies only the property's schema: {"ab": 1} accepted
+    for properties ab: integer and patternProperties ^a: minimum 5)."""
+    props, pats = s.get("properties"), s.get("patternProperties")
+    if not isinstance(props, dict) or not isinstance(pats, dict) or not props or not pats:
+        return False
+    for p in pats:
+        try:
+            rx = re.compile(p)
+        except (re.error, TypeError):
+            return True  # cannot tell: count it
+        if any(rx.search(name) for name in props):
+            return True
+    return False
+
+
+# what xgrammar (and outlines) keep beside anyOf/oneOf: the branches themselves, refs, and `type` (it narrows them)
+_BESIDE_BRANCHES_OK = frozenset({"anyOf", "oneOf", "type", "$ref"})
 
 
 def _context_approximated(backend: str, schema: Any) -> set[str]:
     """Keywords a backend approximates only in some contexts it does not warn about."""
     out: set[str] = set()
+    for s in subschemas(schema):
+        if isinstance(s.get("pattern"), str) and _pattern_context(backend, s["pattern"]):
+            out.add("pattern")
+        pats = s.get("patternProperties")
+        if isinstance(pats, dict) and any(_pattern_context(backend, p) for p in pats):
+            out.add("patternProperties")
+        if backend == "xgrammar" and _shadowed_properties(s):
+            out.add("patternProperties")
+        if backend in ("xgrammar", "outlines") and any(isinstance(s.get(k), list) for k in ("anyOf", "oneOf")):
+            # keywords beside anyOf/oneOf are dropped when the branches give the type: {} accepted
+            # for {"minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": <object>}]}
+            # (JsonSchemaStore resjson.json, 3 invalid instances)
+            out |= {k for k in s if k in VALIDATION_KEYWORDS and k not in _BESIDE_BRANCHES_OK}
     if backend in ("xgrammar", "outlines"):
+        # from 2019-09 on, keywords beside a $ref apply too; xgrammar follows the ref and drops them
+        # (it accepted {"a": 5} for {"$ref": <integer>, "maximum": 3}); up to draft 7 jsonschema
+        # ignores them as well
+        siblings_apply = _draft(schema) in ("2019-09", "2020-12")
         for s in subschemas(schema):
+            if siblings_apply and "$ref" in s and any(k in VALIDATION_KEYWORDS for k in s if k != "$ref"):
+                out.add("$ref")
             props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
             req = s.get("required")
             # a required name with no property schema is not enforced (measured on JSONSchemaBench)
@@ -262,7 +405,7 @@ def contradiction(s: dict) -> str | None:
     return None
 
 
-def _resolve(root: Any, ref: Any) -> Any:
+def resolve_ref(root: Any, ref: Any) -> Any:
     """The target of a local $ref ("#/a/b"), None when not local or not found."""
     if not isinstance(ref, str) or not ref.startswith("#"):
         return None
@@ -296,7 +439,7 @@ def first_contradiction(schema: Any, root: Any = None, seen: set[int] | None = N
         return why
     children: list[Any] = []
     if "$ref" in schema:
-        children.append(_resolve(root, schema["$ref"]))
+        children.append(resolve_ref(root, schema["$ref"]))
     if isinstance(schema.get("allOf"), list):
         children.extend(schema["allOf"])
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}

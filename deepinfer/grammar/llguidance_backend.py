@@ -33,6 +33,12 @@ _PROBLEM = {"regex": "invalid regex", "json_schema": "invalid JSON schema", "jso
             "ebnf": "invalid EBNF", "choices": "invalid choices"}
 
 
+def _first_line(msg: str) -> str:
+    """The message of a llguidance error, without the parser state and grammar it appends (its
+    whole 1.3 MB grammar text on issue 51's schema)."""
+    return (msg or "").strip().split("\n<state>", 1)[0].splitlines()[0][:500] if msg else ""
+
+
 class LLGuidanceMatcher(GrammarMatcher):
     supports_rollback = True
 
@@ -50,9 +56,18 @@ class LLGuidanceMatcher(GrammarMatcher):
                 return False
             self._terminated = True  # the stop token itself is not fed to llguidance
             return True
-        if not 0 <= t < self._cg.n_tokens or self._m.validate_tokens([t]) != 1:
+        if not 0 <= t < self._cg.n_tokens:
             return False
-        return bool(self._m.consume_token(t)) and not self._m.is_error()
+        if self._m.validate_tokens([t]) != 1:
+            if self._m.is_error():
+                raise GrammarError(f"llguidance: {_first_line(self._m.get_error())}")
+            return False
+        if not self._m.consume_token(t) or self._m.is_error():
+            # a token it validated and cannot consume: a parser limit (on issue 51's 9,000-property
+            # schema: "Current row has 36007 items; max is 2000" at the first `{"`), not a refusal:
+            # an error naming it, not "grammar rejected sampled token"
+            raise GrammarError(f"llguidance: {_first_line(self._m.get_error()) or 'cannot consume a token it validated'}")
+        return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         out = bitmask[row]
@@ -60,6 +75,12 @@ class LLGuidanceMatcher(GrammarMatcher):
             out.zero_()
             return
         llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
+        if self._m.is_error():
+            # a parser limit hit while computing the mask (e.g. "Current row has 36007 items; max is
+            # 2000" on a 9,000-property object): the row is not this grammar's mask, and the matcher
+            # refuses every token from here (the source of issue 51's "grammar rejected sampled token")
+            out.zero_()
+            raise GrammarError(f"llguidance: {_first_line(self._m.get_error())}")
         # stop tokens exactly when the text so far is complete (ours may differ from llguidance's EOS)
         accepting = self._m.is_accepting()
         if out.device.type == "cpu":  # numpy on the row's view: torch indexing took 22 of 42 us per fill

@@ -49,6 +49,9 @@ class GrammarSpec:
     text: str
     py_type: Any = field(default=None, compare=False, hash=False, repr=False)
     dtype: str | None = field(default=None, compare=False, hash=False)
+    #: what spec_from_params narrowed in the user's constraint (e.g. the integer digit cap); part
+    #: of the key: a schema capped here and the same bounds written by the user are reported apart
+    narrowed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -115,19 +118,92 @@ def _canonical_json(obj: Any) -> str:
         raise GrammarError(f"invalid JSON schema: not JSON-serialisable ({e})") from e
 
 
+def _is_pydantic_meta(m: Any) -> bool:
+    """pydantic's constraint metadata in an Annotated (Field(...), conint's annotated_types bounds)."""
+    return type(m).__module__.split(".")[0] in ("pydantic", "pydantic_core", "annotated_types")
+
+
+def _constraint_sources(tp: Any) -> set[str]:
+    """Who can read tp's constraints: "pydantic" (a model, or Field / conint / annotated_types
+    metadata anywhere in it), "msgspec" (msgspec.Meta anywhere), "struct" (a msgspec.Struct in it,
+    which pydantic cannot read). A type needing both readers cannot keep all its bounds."""
+    import dataclasses
+    import typing
+
+    found: set[str] = set()
+    seen: set[int] = set()
+
+    def walk(t: Any) -> None:
+        if id(t) in seen:
+            return
+        seen.add(id(t))
+        if _is_pydantic_model(t):
+            found.add("pydantic")
+            return
+        if typing.get_origin(t) is typing.Annotated:
+            base, *meta = typing.get_args(t)
+            for m in meta:
+                if isinstance(m, msgspec.Meta):
+                    found.add("msgspec")
+                elif _is_pydantic_meta(m):
+                    found.add("pydantic")
+            walk(base)
+            return
+        for a in typing.get_args(t):
+            walk(a)
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            found.add("struct")
+        if isinstance(t, type) and (issubclass(t, msgspec.Struct) or dataclasses.is_dataclass(t)
+                                    or typing.is_typeddict(t)):
+            try:
+                hints = typing.get_type_hints(t, include_extras=True)
+            except Exception:  # an unresolvable annotation: msgspec reports it with its own words
+                return
+            for h in hints.values():
+                walk(h)
+
+    walk(tp)
+    return found
+
+
+def uses_pydantic(tp: Any) -> bool:
+    """Whether tp's schema and decoding go through pydantic (a model, or pydantic constraints in
+    a type hint / dataclass / TypedDict, which msgspec would silently drop)."""
+    return _is_pydantic_model(tp) or "pydantic" in _constraint_sources(tp)
+
+
 def schema_from_type(tp: Any) -> dict:
     """A JSON schema (dict) for a Python type: msgspec.Struct, TypedDict, dataclass, type hint
-    such as list[int] / dict[str, float] / Literal[...] / Optional[...], or a pydantic model."""
+    such as list[int] / dict[str, float] / Literal[...] / Optional[...], or a pydantic model.
+
+    Bounds travel into the schema: msgspec.Meta (ge/le/gt/lt, min_length/max_length, pattern,
+    multiple_of) through msgspec; pydantic's Field(...) / conint / constr / Annotated bounds, also
+    on a plain hint, dataclass or TypedDict, through pydantic.TypeAdapter (msgspec ignores them:
+    `conint(gt=0)` gave {"type": "integer"}). A type mixing msgspec Structs or Meta with pydantic
+    constraints is refused: neither library reads the other's, so some bound would be dropped."""
     if _is_pydantic_model(tp):
         return tp.model_json_schema()
+    sources = _constraint_sources(tp)
+    if "pydantic" in sources:
+        if sources & {"struct", "msgspec"}:
+            raise GrammarError(
+                f"invalid JSON schema: type {tp!r} mixes pydantic constraints (Field / conint / constr / a model) "
+                "with msgspec ones (Struct / Meta); neither library reads the other's, so a bound would be "
+                "dropped: use one of them")
+        import pydantic
+
+        try:
+            return pydantic.TypeAdapter(tp).json_schema()
+        except Exception as e:  # pydantic's own errors (PydanticUserError, schema generation errors)
+            raise GrammarError(f"invalid JSON schema: pydantic cannot derive a schema from type {tp!r} ({e})") from e
     try:
         return msgspec.json.schema(tp)
     except (TypeError, ValueError) as e:
         raise GrammarError(f"invalid JSON schema: cannot derive a schema from type {tp!r} ({e})") from e
 
 
-def _schema_text(json_schema: Any) -> tuple[str, Any]:
-    """Canonical schema text plus the Python type to decode into (None for dict/str schemas)."""
+def _schema_obj(json_schema: Any) -> tuple[Any, Any]:
+    """The schema (dict or bool) plus the Python type to decode into (None for dict/str schemas)."""
     if isinstance(json_schema, str):
         try:
             obj = json.loads(json_schema)
@@ -135,14 +211,101 @@ def _schema_text(json_schema: Any) -> tuple[str, Any]:
             raise GrammarError(f"invalid JSON schema: the string is not valid JSON ({e})") from e
         if not isinstance(obj, (dict, bool)):
             raise GrammarError(f"invalid JSON schema: expected an object, got {type(obj).__name__}")
-        return _canonical_json(obj), None
-    if isinstance(json_schema, dict):
-        return _canonical_json(json_schema), None
-    if isinstance(json_schema, bool):
-        return _canonical_json(json_schema), None
+        return obj, None
+    if isinstance(json_schema, (dict, bool)):
+        return json_schema, None
     if json_schema is None:
         raise GrammarError("invalid JSON schema: None")
-    return _canonical_json(schema_from_type(json_schema)), json_schema
+    return schema_from_type(json_schema), json_schema
+
+
+def _schema_text(json_schema: Any) -> tuple[str, Any]:
+    """Canonical schema text plus the Python type to decode into (None for dict/str schemas)."""
+    obj, py_type = _schema_obj(json_schema)
+    return _canonical_json(obj), py_type
+
+
+# ---- the integer digit cap (SamplingParams.max_integer_digits) ---------------------------------
+# An integer with no bound lets a sampled model write digits until max_tokens: on SmolLM2-135M,
+# 200 gens of {name: str, age: int} at max_tokens=48 gave `"age": 30231062910325294954...` (35
+# digits). The cap is a bound on each side left open, |n| < 10**digits. 15 is the most llguidance
+# keeps exact: it reads bounds as doubles, so maximum 10**18 - 1 let 10**18 through (exact up to
+# 2**53 ~ 9.0e15), and it fails to compile bounds of 19 digits (int64's included).
+MAX_INTEGER_DIGITS = 15
+#: the name a capped integer gets in the narrowed list (RequestOutput.grammar_approximated)
+INTEGER_CAP = "integer digits (max_integer_digits)"
+# where capping a subschema only narrows the whole (never under not / oneOf / if, where a
+# narrower subschema can let more instances through), and the maps and lists holding subschemas
+_CAP_SUBSCHEMAS = ("additionalProperties", "additionalItems", "items", "contains", "then", "else",
+                   "unevaluatedProperties", "unevaluatedItems")
+_CAP_LISTS = ("allOf", "anyOf", "prefixItems", "items")
+_CAP_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_WIDENING = ("not", "oneOf", "if")
+
+
+def _mentions(schema: Any, keys: tuple[str, ...]) -> bool:
+    if isinstance(schema, dict):
+        return any(k in schema for k in keys) or any(_mentions(v, keys) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_mentions(v, keys) for v in schema)
+    return False
+
+
+def _cap_node(s: dict, limit: int) -> bool:
+    """Bound the open sides of an integer schema s in place; whether anything was added."""
+    t = s.get("type")
+    integer = t == "integer" or (isinstance(t, list) and "integer" in t and "number" not in t)
+    if not integer or "enum" in s or "const" in s:
+        return False
+    nums = [v for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+            if isinstance(v := s.get(k), (int, float)) and not isinstance(v, bool)]
+    if any(abs(v) >= limit for v in nums):  # a bound past the cap: the user asked for big numbers
+        return False
+    added = False
+    if "minimum" not in s and "exclusiveMinimum" not in s:
+        s["minimum"] = -(limit - 1)
+        added = True
+    if "maximum" not in s and "exclusiveMaximum" not in s:
+        s["maximum"] = limit - 1
+        added = True
+    return added
+
+
+def cap_integers(schema: Any, digits: int) -> tuple[Any, bool]:
+    """(schema with every unbounded integer given at most `digits` digits, whether any was);
+    schema itself is left as it was. Only where that narrows the language: never under not,
+    oneOf or if, and the definitions only when the schema has none of those anywhere (a ref
+    from under one of them would see the capped definition)."""
+    if not isinstance(schema, dict):
+        return schema, False
+    limit = 10 ** digits
+    out = json.loads(json.dumps(schema))  # a deep copy (a schema is JSON)
+    hit = False
+
+    def walk(s: Any) -> None:
+        nonlocal hit
+        if not isinstance(s, dict):
+            return
+        hit = _cap_node(s, limit) or hit
+        for k in _CAP_SUBSCHEMAS:
+            if isinstance(s.get(k), dict):
+                walk(s[k])
+        for k in _CAP_LISTS:
+            if isinstance(s.get(k), list):
+                for x in s[k]:
+                    walk(x)
+        for k in _CAP_MAPS:
+            if isinstance(s.get(k), dict):
+                for x in s[k].values():
+                    walk(x)
+
+    walk(out)
+    if not _mentions(schema, _WIDENING):
+        for k in ("$defs", "definitions"):
+            if isinstance(out.get(k), dict):
+                for x in out[k].values():
+                    walk(x)
+    return (out, True) if hit else (schema, False)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -161,13 +324,25 @@ def spec_from_params(
     choices: list[str] | None = None,
     dtype: Any = None,
     json_object: bool = False,
+    max_integer_digits: int | None = None,
 ) -> GrammarSpec | None:
     """Build the GrammarSpec of at most one constraint; None when unconstrained.
+
+    max_integer_digits (json_schema only): every integer of the schema with an open side gets
+    a bound there, |n| < 10**max_integer_digits (1 to MAX_INTEGER_DIGITS), listed in the spec's
+    `narrowed` as INTEGER_CAP; None leaves them unbounded (the default here; SamplingParams
+    defaults to MAX_INTEGER_DIGITS).
 
     Raises GrammarError when more than one constraint is given or one is malformed (a schema
     string that is not JSON, an unsupported type or dtype, empty choices). Regex/EBNF syntax is
     checked when the spec is compiled.
     """
+    if max_integer_digits is not None and not (
+        isinstance(max_integer_digits, int) and not isinstance(max_integer_digits, bool)
+        and 1 <= max_integer_digits <= MAX_INTEGER_DIGITS
+    ):
+        raise GrammarError(f"max_integer_digits must be an int in [1, {MAX_INTEGER_DIGITS}] or None, "
+                           f"got {max_integer_digits!r}")
     given = [
         name
         for name, v in (
@@ -185,8 +360,12 @@ def spec_from_params(
             raise GrammarError(f"invalid regex: expected a non-empty string, got {regex!r}")
         return GrammarSpec("regex", regex)
     if json_schema is not None:
-        text, py_type = _schema_text(json_schema)
-        return GrammarSpec("json_schema", text, py_type=py_type)
+        obj, py_type = _schema_obj(json_schema)
+        capped = False
+        if max_integer_digits is not None:
+            obj, capped = cap_integers(obj, max_integer_digits)
+        return GrammarSpec("json_schema", _canonical_json(obj), py_type=py_type,
+                           narrowed=(INTEGER_CAP,) if capped else ())
     if grammar is not None:
         if not isinstance(grammar, str) or not grammar.strip():
             raise GrammarError(f"invalid EBNF: expected a non-empty grammar string, got {grammar!r}")
@@ -219,4 +398,5 @@ def spec_of(obj: Any) -> GrammarSpec | None:
         choices=getattr(obj, "choices", None),
         dtype=getattr(obj, "dtype", None),
         json_object=bool(getattr(obj, "json_object", False)),
+        max_integer_digits=getattr(obj, "max_integer_digits", None),
     )

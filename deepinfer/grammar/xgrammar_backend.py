@@ -273,6 +273,7 @@ class XGrammarBackend(GrammarBackend):
             stop_token_ids=list(vocab.stop_token_ids),
             add_prefix_space=vocab.add_prefix_space,
         )
+        self.tokenizer_info = info  # what a grammar compiled in the worker process deserialises against (isolated.py)
         # xgrammar's own cache is off: GrammarCompiler caches compiled specs itself.
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 

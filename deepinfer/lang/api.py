@@ -73,9 +73,12 @@ def gen(
     sampling = dict(
         max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_token_ids,
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, regex=regex,
-        json_schema=json_schema, grammar=grammar, dtype=dtype, **extra,
+        json_schema=json_schema, grammar=grammar, dtype=dtype,
     )
-    return Gen(name, {k: v for k, v in sampling.items() if v is not None}, bool(return_logprob),
+    # the named arguments' None means "not given"; a keyword passed through is kept as given, so
+    # gen(..., max_integer_digits=None) lifts the digit cap instead of falling back to its default
+    sampling = {**{k: v for k, v in sampling.items() if v is not None}, **extra}
+    return Gen(name, sampling, bool(return_logprob),
                n=n, logprob_text=bool(return_text_in_logprobs))
 
 

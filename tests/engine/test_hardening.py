@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -30,14 +31,21 @@ def test_endless_forced_grammar_is_bounded_by_max_tokens(tiny_models):
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
         from deepinfer import Engine, SamplingParams
         eng = Engine({str(tiny_models["llama"])!r}, kv_cache_memory=8 << 20)
-        outs = eng.generate(["Hi", "Hello"], [SamplingParams(max_tokens=5, grammar='root ::= a\\na ::= "x" a'),
-                                              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
-        print("RESULT", outs[0].finish_reason, outs[0].text, outs[1].finish_reason, len(outs[1].token_ids))
+        # a finite language ({""}), but once an "x" is out (min_tokens=1 bans ending at once) the
+        # grammar forces x's without end; the one with no finite string at all is refused (issue 51)
+        outs = eng.generate(["Hi", "Hello", "Hey"],
+                            [SamplingParams(max_tokens=5, min_tokens=1, grammar='root ::= "" | a\\na ::= "x" a'),
+                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                             SamplingParams(max_tokens=5, grammar='root ::= a\\na ::= "x" a')])
+        print("RESULT", outs[0].finish_reason, outs[0].text, len(outs[0].token_ids) <= 5,
+              outs[1].finish_reason, len(outs[1].token_ids))
+        print("EMPTY", outs[2].finish_reason, outs[2].error)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "RESULT length xxxxx length 4" in r.stdout
+    assert re.search(r"RESULT length x+ True length 4", r.stdout), r.stdout
+    assert "EMPTY error" in r.stdout and "admits no output" in r.stdout, r.stdout
 
 
 def test_jump_forward_never_exceeds_the_token_budget(eng):

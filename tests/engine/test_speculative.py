@@ -210,9 +210,13 @@ def test_jump_forward_is_verified_and_changes_no_output(llama):
     schema = {"type": "object", "properties": {"alpha_key": {"type": "string", "maxLength": 8},
               "beta_long_key_name": {"type": "integer"}, "gamma": {"enum": ["first choice", "second choice"]}},
               "required": ["alpha_key", "beta_long_key_name", "gamma"], "additionalProperties": False}
-    for sp in (SamplingParams(temperature=0, max_tokens=80, json_schema=schema),
-               SamplingParams(temperature=0.9, seed=5, max_tokens=80, json_schema=schema, logprobs=1),
-               SamplingParams(temperature=0, max_tokens=30, regex=r"The answer is (yes|no|maybe)\. Because .{5,20}")):
+    # the budget guard (on by default for typed results) holds drafts back within BUDGET_ZONE tokens
+    # of max_tokens: the first two run without it, the last with it, far enough from its budget
+    for sp in (SamplingParams(temperature=0, max_tokens=80, json_schema=schema, complete_within_budget=False),
+               SamplingParams(temperature=0.9, seed=5, max_tokens=80, json_schema=schema, logprobs=1,
+                              complete_within_budget=False),
+               SamplingParams(temperature=0, max_tokens=30, regex=r"The answer is (yes|no|maybe)\. Because .{5,20}"),
+               SamplingParams(temperature=0, max_tokens=160, json_schema=schema)):
         on.stats.num_steps = off.stats.num_steps = 0
         a, b = off.generate(prompts, sp), on.generate(prompts, sp)
         _same(a, b)
@@ -228,7 +232,8 @@ def test_overlap_mode_gives_the_same_constrained_outputs(llama):
     sync = Engine(llama, kv_cache_memory=8 << 20, block_size=4, jump_forward=True)
     over = Engine(llama, kv_cache_memory=8 << 20, block_size=4, overlap_schedule=True, jump_forward=True)
     prompts = random_prompts(6, seed=15)
-    sp = SamplingParams(temperature=0, max_tokens=60, json_schema={
+    # (the budget guard, on by default for a schema, drafts nothing within BUDGET_ZONE = 64 tokens of max_tokens)
+    sp = SamplingParams(temperature=0, max_tokens=60, complete_within_budget=False, json_schema={
         "type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
         "required": ["name", "tags"]})
     _same(sync.generate(prompts, sp), over.generate(prompts, sp))

@@ -11,7 +11,15 @@ import pytest
 from deepinfer.errors import GrammarError, InvalidSpecError
 from deepinfer.grammar import GrammarCompiler, spec_from_params
 from deepinfer.grammar.compiler import BACKEND_NAMES
-from deepinfer.grammar.exactness import EXACT_FORMATS, EXACT_KEYWORDS, diagnostics_keywords, keywords_used
+from deepinfer.grammar.exactness import (
+    DRAFT3,
+    EXACT_FORMATS,
+    EXACT_KEYWORDS,
+    FLOAT_BOUND,
+    FLOAT_MULTIPLE,
+    diagnostics_keywords,
+    keywords_used,
+)
 from deepinfer.grammar.lowering import lower_schema
 from deepinfer.grammar.validate import check_output, first_violation
 
@@ -250,3 +258,123 @@ def test_strict_mode_narrowing_is_reported_not_approximated(smol, backend):
     compiled, _ = lenient.compile(spec_from_params(json_schema=open_obj))
     assert not compiled.strict and compiled.narrowed == ()  # spec-faithful
     assert accepts(lenient, compiled, {"a": 1, "b": 2}) and accepts(lenient, compiled, {"a": 1, "t": [1, 2]})
+
+# Contexts in which the grammars decide differently from the validator, whatever the backend:
+# keywords_used reports them, so no grammar with them is exact. name -> (schema, texts the
+# validator refuses; some backend's grammar accepts one of them, which is why they are reported)
+CONTEXT_CASES = {
+    # draft 3's own keywords and meanings (required: true, divisibleBy, extends, disallow)
+    DRAFT3: ({"$schema": "http://json-schema.org/draft-03/schema#", "type": "number", "divisibleBy": 2}, ["3"]),
+    # jsonschema divides doubles: 0.3 / 0.1 = 2.9999999999999996, so 0.3 fails; llguidance says it is a multiple
+    FLOAT_MULTIPLE: ({"type": "number", "multipleOf": 0.1}, ["0.3", "0.7"]),
+    # the validator reads the nearest double (0.1, 1.0): on the bound; the text is strictly inside
+    FLOAT_BOUND.format("exclusiveMaximum"): ({"type": "number", "exclusiveMaximum": 0.1}, ["0.09999999999999999999"]),
+    FLOAT_BOUND.format("exclusiveMinimum"): ({"type": "number", "exclusiveMinimum": 1}, ["1.00000000000000000001"]),
+}
+
+
+def _accepts_text(compiler: GrammarCompiler, compiled, text: str) -> bool:
+    m = compiled.new_matcher()
+    for t in compiler.tokenizer.encode(text, add_special_tokens=False).ids:
+        if not m.accept_token(t):
+            return False
+    return m.can_terminate()
+
+
+@pytest.mark.parametrize("name", sorted(CONTEXT_CASES))
+def test_contexts_the_validator_decides_otherwise_are_approximated(compilers, name):
+    schema, refused = CONTEXT_CASES[name]
+    for text in refused:
+        assert first_violation(json.dumps(schema), text) is not None, (name, text)
+    assert name in keywords_used(schema)
+    accepted_somewhere = False
+    for backend, c in compilers.items():
+        try:
+            compiled, _ = c.compile(spec_from_params(json_schema=schema))
+        except GrammarError:
+            continue  # refusing is always safe
+        assert not compiled.exact and name in compiled.approximated, (backend, name, compiled.approximated)
+        accepted_somewhere |= any(_accepts_text(c, compiled, t) for t in refused)
+    assert accepted_somewhere, f"no backend accepts {refused} for {name}: the context need not be reported"
+    # the integral forms stay exact where the table says so
+    assert FLOAT_MULTIPLE not in keywords_used({"type": "number", "multipleOf": 3})
+    assert not {k for k in keywords_used({"type": "integer", "exclusiveMaximum": 3}) if "(float)" in k}
+
+
+def test_xgrammar_siblings_it_drops_are_approximated(compilers):
+    """What xgrammar silently drops: keywords beside a $ref (2019-09 on, where they apply) and an
+    allOf branch the lowering could not merge. Each was an exact grammar accepting an invalid
+    instance; now each is reported, and the draft-07 $ref (siblings ignored by the validator too)
+    stays exact."""
+    c = compilers["xgrammar"]
+    ref = {"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n", "maximum": 3}}}
+    cases = [
+        ("$ref", ref, {"a": 5}),
+        ("allOf", {"type": "string", "pattern": "^a", "allOf": [{"pattern": "b$"}]}, "a"),
+        ("allOf", {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False,
+                   "allOf": [{"properties": {"b": {"type": "integer"}}}]}, {"b": 1}),
+    ]
+    for kw, schema, bad in cases:
+        assert first_violation(json.dumps(schema), json.dumps(bad)) is not None, (kw, bad)
+        compiled, _ = c.compile(spec_from_params(json_schema=schema))
+        assert kw in compiled.approximated, (kw, compiled.approximated)
+        assert accepts(c, compiled, bad), f"xgrammar now enforces {kw} here: it may go back in its table"
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **{k: v for k, v in ref.items() if k != "$defs"},
+              "definitions": {"n": {"type": "integer"}}}
+    draft7["properties"] = {"a": {"$ref": "#/definitions/n", "maximum": 3}}
+    assert first_violation(json.dumps(draft7), json.dumps({"a": 5})) is None  # the sibling is ignored
+    compiled, _ = c.compile(spec_from_params(json_schema=draft7))
+    assert compiled.exact and accepts(c, compiled, {"a": 5})
+
+
+def _exact_leaks(compiler: GrammarCompiler, records) -> tuple[int, int, list[str]]:
+    """(exact grammars, invalid instances run against them, "id: test i" of each one accepted).
+    Instances written as MaskBench writes them (ensure_ascii=False)."""
+    from deepinfer.grammar.coverage import schema_spec
+
+    exact = checked = 0
+    leaks: list[str] = []
+    for n, rec in enumerate(records):
+        try:
+            compiled, _ = compiler.compile(schema_spec(rec["schema"]))
+        except GrammarError:
+            continue
+        if compiled.exact:
+            exact += 1
+            for i, test in enumerate(rec.get("tests") or []):
+                if not test["valid"]:
+                    checked += 1
+                    if _accepts_text(compiler, compiled, json.dumps(test["data"], ensure_ascii=False)):
+                        leaks.append(f"{rec.get('id', n)}: test {i}")
+        compiler._cache.clear()  # one schema's grammar at a time (the 747 hold ~2 GB together)
+    return exact, checked, leaks
+
+
+def _shared_records(bench_dir):
+    from deepinfer.grammar.coverage import BENCH_FILES, load_bench_file
+
+    out = []
+    for f in BENCH_FILES:
+        for i, rec in enumerate(load_bench_file(bench_dir / f)):
+            out.append({**rec, "id": f"{f}/{rec.get('id', i)}"})
+    return out
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "xgrammar"])
+def test_no_exact_grammar_accepts_an_invalid_instance_of_the_shared_bench(smol, bench_dir, backend):
+    """Every invalid instance of the shared 747 schemas against every grammar that claims exact:
+    the default chain's (what requests get) and each fast backend's own."""
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend=backend, fallback=backend == "auto")
+    exact, checked, leaks = _exact_leaks(c, _shared_records(bench_dir))
+    assert not leaks, f"{backend}: exact grammars accepted invalid instances: {leaks[:20]}"
+    assert exact > 300 and checked > 500, (exact, checked)  # the check ran on real grammars
+
+
+@pytest.mark.slow
+def test_no_exact_outlines_grammar_accepts_an_invalid_instance_of_the_shared_bench(smol, bench_dir):
+    tok, stops = smol
+    c = GrammarCompiler(tok, tok.get_vocab_size(), stops, backend="outlines", fallback=False, compile_timeout=60)
+    exact, checked, leaks = _exact_leaks(c, _shared_records(bench_dir))
+    assert not leaks, f"outlines: exact grammars accepted invalid instances: {leaks[:20]}"
+    assert exact > 100 and checked > 100, (exact, checked)

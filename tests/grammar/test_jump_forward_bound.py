@@ -8,16 +8,25 @@ import random
 import pytest
 import torch
 
+from deepinfer.errors import InvalidSpecError
 from deepinfer.grammar import allocate_token_bitmask, jump_forward, spec_from_params
 from deepinfer.grammar.backend import MAX_JUMP_FORWARD_BYTES
 
-ENDLESS = 'root ::= a\na ::= "x" a'  # no finite string: the forced continuation never ends
+ENDLESS = 'root ::= a\na ::= "x" a'  # no finite string: refused at compile (issue 51: admits no output)
+# a finite language ({"y"}) whose "x" branch forces an endless continuation
+ENDLESS_AFTER_X = 'root ::= "y" | "x" a\na ::= "x" a'
 STUCK = 'root ::= "a" | "b" c\nc ::= "x" c'  # finite language, but "b" leads to an endless force
 BACKENDS = ["compiler", "outlines_compiler"]
 
 
+def test_a_grammar_with_no_finite_string_admits_no_output(compiler):
+    with pytest.raises(InvalidSpecError, match="admits no output"):
+        compiler.new_matcher(spec_from_params(grammar=ENDLESS))
+
+
 def test_endless_forced_string_is_cut_at_the_bound(compiler):
-    m = compiler.new_matcher(spec_from_params(grammar=ENDLESS))
+    m = compiler.new_matcher(spec_from_params(grammar=ENDLESS_AFTER_X))
+    assert m.accept_token(compiler.tokenizer.token_to_id("x"))
     assert m.find_jump_forward_string(40) == "x" * 40
     assert m.find_jump_forward_string() == "x" * MAX_JUMP_FORWARD_BYTES
     assert m.find_jump_forward_string(0) == ""
