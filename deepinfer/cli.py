@@ -35,8 +35,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     "to OUTPUT as records finish.",
     )
     run.add_argument("program", help="FILE.py:FUNCTION or MODULE:FUNCTION (a @deepinfer.function)")
-    run.add_argument("--input", "-i", required=True, help="JSON-lines input, one record per line")
-    run.add_argument("--output", "-o", required=True, help="JSON-lines results file (appended)")
+    run.add_argument("--input", "-i", required=True,
+                     help="JSON-lines input, one record per line (with --ray: paths, globs, folders; .parquet too)")
+    run.add_argument("--output", "-o", required=True,
+                     help="JSON-lines results file (appended; with --ray: a folder of result shards + manifest.json)")
     run.add_argument("--map", action="append", metavar="OLD=NEW", default=[],
                      help="rename input field OLD to program argument NEW (repeatable)")
     run.add_argument("--field", metavar="NAME", help="pass each whole line as the one argument NAME")
@@ -122,17 +124,18 @@ def _run(args: argparse.Namespace) -> int:
             sampling={k: getattr(args, k) for k in _SAMPLING_OPTIONS if getattr(args, k) is not None}
             | {"complete_within_budget": args.complete_within_budget},  # only constrained gens use it
         )
-        if batch:
-            validate_batch_options(opts)
-        else:
-            validate_options(program, opts)  # everything checkable before the model loads
-        if args.ray is not None:
-            from deepinfer.jobs.ray import RayOptions, require_ray
+        if args.ray is not None:  # input: paths/globs/folders; output: a folder of shards (jobs/ray.py)
+            from deepinfer.jobs.ray import RayOptions, require_ray, validate_ray_job
 
             require_ray()
             ray_opts = RayOptions(address=args.ray or None, replicas=args.replicas,
                                   cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica)
             ray_opts.validate()
+            validate_ray_job("batch" if batch else "program", None if batch else args.program, opts, args.model)
+        elif batch:
+            validate_batch_options(opts)
+        else:
+            validate_options(program, opts)  # everything checkable before the model loads
     except JobUsageError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,255 +1,333 @@
-"""`deepinfer run --ray` / `run-batch --ray`: one job on a Ray cluster.
+"""`deepinfer run --ray` / `run-batch --ray`: one job as a Ray Data pipeline.
 
     from deepinfer.jobs import JobOptions
-    from deepinfer.jobs.ray import RayOptions, run_job, run_batch_job
+    from deepinfer.jobs.ray import RayOptions, run_job
+    run_job("prog.py:extract", JobOptions(input="in/*.jsonl", output="out/"), model=None,
+            engine_options={}, ray_options=RayOptions(replicas=2))
 
-    run_job("prog.py:extract", JobOptions(input="in.jsonl", output="out.jsonl"),
-            model=None, engine_options={}, ray_options=RayOptions(replicas=2))
+read (`ray_io.read_input`: JSON lines with their line numbers, or Parquet; in the workers)
+-> `map_batches` with the engine stage (`deepinfer.ray.map_batches_kwargs`: one Engine per actor,
+the local job's parsing, seeds and output lines) -> `ray_io.ShardSink` (sharded JSON-lines result
+files in the output folder, next to `manifest.json`).
 
-Each replica is a Ray actor holding one `Engine` (`ray_worker.EngineWorker`); it runs blocks of
-records through the same window as a local job (`window.run_window`). The driver reads the input
-itself and hands blocks to actors (a plain driver-side reader, not Ray Data: see `RayPool`), and
-writes every result through the same `stream.run_stream` as a local job (resume, progress,
-exactly-once). A block whose actor dies is retried on a live actor; a key already written is never
-written again, so each id appears once. Seeds derive from (seed, record id) as locally, so a record's
-output does not depend on the replica that ran it.
+The pipeline runs in one coordinator task on the cluster (num_cpus=0), not in this process: the
+driver holds no record and imports no Ray Data (pyarrow and pandas: +120 MB, measured) so its memory
+stays flat as the input grows; it only waits, and tails the shards for the progress line.
 
-Killing a job that started its own local cluster: signal its process group (what a terminal's
-Ctrl-C or a batch scheduler does). A SIGKILL to the driver pid alone leaves that cluster's
-DashboardAgent and RuntimeEnvAgent processes running (measured: still alive after 60 s).
+- Resume (`--resume`): the coordinator scans the shards (cutting a half-written last line) and the
+  stage drops every row whose key is there, so a record is never written twice.
+- Faults: an actor that dies mid-batch is restarted by Ray and its batch retried (Ray Data's actor
+  pool defaults: max_restarts=-1, max_task_retries=-1); the batch's rows only reach the writer when
+  the batch has finished, and a retried write task rewrites its own shard, so nothing is lost or
+  written twice. A driver killed with kill -9 takes its local cluster with it (`ray_cluster`).
+- Usage errors (bad input path, output folder of another job, ...) are raised before the cluster
+  starts where they can be, otherwise from the coordinator before any model loads.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
-from collections import deque
+import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from deepinfer.jobs import ray_io
 from deepinfer.jobs.errors import JobUsageError
-from deepinfer.jobs.records import Record
 from deepinfer.jobs.runner import JobOptions
 from deepinfer.jobs.stream import JobSummary
-from deepinfer.jobs.window import Finished
+from deepinfer.ray import require_ray
 
-INSTALL_HINT = "--ray needs Ray, which is not installed: pip install 'deepinfer[ray]' (or pip install ray)"
-
-
-def require_ray() -> Any:
-    """The ray module, or JobUsageError saying how to install it."""
-    try:
-        import ray
-    except ImportError as e:
-        raise JobUsageError(INSTALL_HINT) from e
-    return ray
+__all__ = ["RayOptions", "require_ray", "run_job", "run_batch_job", "validate_ray_job"]
 
 
 @dataclass
 class RayOptions:
-    """Where and how wide: `address` None starts a local cluster (ray.init())."""
+    """Where and how wide: `address` None starts a local cluster (in its own process group)."""
 
     address: str | None = None
     replicas: int = 1
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
-    blocks_per_replica: int = 4  # blocks in flight per actor; a block is batch_size / this records
-    max_block_retries: int = 3  # a block whose actor died this many times gets error records
-    max_actor_restarts: int = 1  # Ray restarts a dead actor this often (reloading its engine)
-    num_cpus: int | None = None  # local cluster only: CPUs it offers (None: all)
+    num_cpus: float | None = None  # local cluster only: CPUs it offers (None: the replicas' share, at least 1)
+    max_restarts: int = -1  # per actor (Ray Data's default); max_task_retries follows Ray Data's (-1)
 
     def validate(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise JobUsageError(f"--replicas must be an int >= 1, got {self.replicas!r}")
         if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
             raise JobUsageError("--cpus-per-replica and --gpus-per-replica must be >= 0")
-        if self.blocks_per_replica < 1 or self.max_block_retries < 0 or self.max_actor_restarts < 0:
-            raise JobUsageError("blocks_per_replica must be >= 1, retries and restarts >= 0")
-
-
-def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
-    block: list[Record] = []
-    for rec in records:
-        block.append(rec)
-        if len(block) >= size:
-            yield block
-            block = []
-    if block:
-        yield block
-
-
-class RayPool:
-    """Engine actors fed by the driver. Blocks are read from the input only when an actor has a
-    free slot (the input is never read ahead of the pool's window); each block's results come
-    back when it finishes and go straight to `on_finished` (so the output grows block by block).
-
-    Ray Data's `map_batches` with an actor pool was the alternative; the driver needs each
-    record's result back anyway (for the one writer with resume and exactly-once), which Ray
-    Data would hand over through `iter_batches` after its own streaming executor; a plain
-    reader keeps block retry on actor death in our hands and adds no executor start-up.
-    """
-
-    def __init__(self, kind: str, program: str | None, opts: JobOptions, model: str | None,
-                 engine_options: dict[str, Any], ray_options: RayOptions, log: Callable[[str], None]) -> None:
-        ray = require_ray()
-        from deepinfer.jobs.ray_worker import worker_class
-
-        self.ray, self.ray_options, self.log, self.kind = ray, ray_options, log, kind
-        self.block_size = max(1, -(-opts.batch_size // ray_options.blocks_per_replica))
-        window = self.block_size
-        cls = worker_class(ray).options(
-            num_cpus=ray_options.cpus_per_replica, num_gpus=ray_options.gpus_per_replica,
-            max_concurrency=ray_options.blocks_per_replica, max_restarts=ray_options.max_actor_restarts,
-            max_task_retries=0,  # the pool retries blocks itself, on any live actor
-        )
-        spec = {"kind": kind, "program": program, "opts": opts, "model": model,
-                "engine_options": engine_options, "window": window}
-        self.actors = [cls.remote(spec) for _ in range(ray_options.replicas)]
-        self.alive = [True] * len(self.actors)
-        self.per_actor = [0] * len(self.actors)
-        self.retried_blocks = 0
-        # fail fast (a bad model or program) before any block is handed out
-        ray.get([a.ready.remote() for a in self.actors])
-
-    def execute(self, records: Iterator[Record], on_finished: Callable[[Finished], None]) -> None:
-        ray = self.ray
-        blocks = _chunks(records, self.block_size)
-        retry: deque[tuple[list[Record], int]] = deque()
-        in_flight: dict[Any, tuple[int, list[Record], int]] = {}  # ref -> (actor, block, attempts)
-        load = [0] * len(self.actors)
-        exhausted = False
-        while True:
-            while True:  # fill every free slot of a live actor, retries first
-                free = [i for i, a in enumerate(self.alive) if a and load[i] < self.ray_options.blocks_per_replica]
-                if not free:
-                    break
-                if retry:
-                    block, attempts = retry.popleft()
-                elif not exhausted:
-                    block = next(blocks, None)
-                    if block is None:
-                        exhausted = True
-                        continue
-                    attempts = 0
-                else:
-                    break
-                i = min(free, key=lambda j: load[j])
-                in_flight[self.actors[i].run_block.remote(block)] = (i, block, attempts)
-                load[i] += 1
-            if not in_flight:
-                if retry:  # blocks left but no actor alive
-                    self._fail_blocks(retry, "every Ray replica died", on_finished)
-                return
-            ready, _ = ray.wait(list(in_flight), num_returns=1)
-            for ref in ready:
-                i, block, attempts = in_flight.pop(ref)
-                load[i] -= 1
-                try:
-                    results = ray.get(ref)
-                except ray.exceptions.RayActorError as e:  # the actor died with this block in flight
-                    self._actor_lost(i, e)
-                    self.retried_blocks += 1
-                    if attempts + 1 > self.ray_options.max_block_retries:
-                        self._fail_blocks([(block, attempts + 1)], f"Ray actor died {attempts + 1} times", on_finished)
-                    else:
-                        retry.append((block, attempts + 1))
-                    continue
-                except ray.exceptions.RayTaskError as e:  # run_block itself raised: a bug, not the records'
-                    self._fail_blocks([(block, attempts)], f"replica {i} failed the block: {e}", on_finished)
-                    continue
-                self.per_actor[i] += len(results)
-                for f in results:
-                    on_finished(f)
-
-    def _actor_lost(self, i: int, err: BaseException) -> None:
-        # a restartable actor comes back by itself (same handle); a dead one gets no more blocks
-        try:
-            self.ray.get(self.actors[i].ready.remote(), timeout=300)
-            self.log(f"replica {i} restarted after: {type(err).__name__}")
-        except Exception:
-            self.alive[i] = False
-            self.log(f"replica {i} is gone ({type(err).__name__}); {sum(self.alive)} left")
-
-    def _fail_blocks(self, blocks: Any, why: str, on_finished: Callable[[Finished], None]) -> None:
-        from deepinfer.jobs.ray_worker import error_results
-
-        for block, _ in blocks:
-            for f in error_results(self.kind, block, why):
-                on_finished(f)
-
-    def shutdown(self) -> None:
-        for a in self.actors:
-            try:
-                self.ray.kill(a)
-            except Exception:
-                pass
+        if self.num_cpus is not None and self.num_cpus < self.replicas * self.cpus_per_replica:
+            raise JobUsageError(f"a local cluster of {self.num_cpus:g} CPUs cannot hold {self.replicas} replicas "
+                                f"of {self.cpus_per_replica:g} CPUs")
 
 
 def _log(msg: str) -> None:
     print(f"[deepinfer ray] {msg}", file=sys.stderr, flush=True)
 
 
+def _key_of(kind: str) -> Callable[[dict[str, Any]], str]:
+    if kind == "batch":
+        from deepinfer.jobs.openai_format import line_key
+
+        return line_key
+    from deepinfer.jobs.output import result_key
+
+    return result_key
+
+
+def _manifest(kind: str, program: str | None, files: list[str], fmt: str, opts: JobOptions,
+              model: str | None) -> dict[str, Any]:
+    return {"format": "deepinfer-ray-job/1", "kind": kind, "program": program, "inputs": files,
+            "input_format": fmt, "model": model, "seed": opts.seed, "sampling": opts.sampling,
+            "mapping": opts.mapping, "field": opts.field, "limit": opts.limit}
+
+
+def validate_ray_job(kind: str, program: str | None, opts: JobOptions, model: str | None = None
+                     ) -> tuple[list[str], str, dict[str, Any]]:
+    """Every check that needs neither the cluster nor the model; returns (input files, their
+    format, the manifest this job writes). Raises JobUsageError naming the problem."""
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    files = ray_io.expand_inputs(opts.input)
+    fmt = ray_io.input_format(files)
+    if kind == "batch" and fmt != "jsonl":
+        raise JobUsageError("an OpenAI batch input is JSON lines, not Parquet")
+    out = opts.output
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise JobUsageError(f"with --ray the output is a folder of result shards; {out!r} is a file")
+    if os.path.abspath(out) in {os.path.dirname(f) for f in files}:
+        raise JobUsageError(f"the output folder {out!r} holds input files; pick another one")
+    if opts.ordered:
+        raise JobUsageError("--ordered is not supported with --ray (shards are written as batches finish)")
+    if not isinstance(opts.batch_size, int) or opts.batch_size < 1:
+        raise JobUsageError(f"--batch-size must be an int >= 1, got {opts.batch_size!r}")
+    if opts.limit is not None and opts.limit < 0:
+        raise JobUsageError(f"--limit must be >= 0, got {opts.limit}")
+    try:
+        SamplingParams(**opts.sampling)
+    except Exception as e:
+        raise JobUsageError(str(e)) from e
+    manifest = _manifest(kind, program, files, fmt, opts, model)
+    if os.path.isdir(out):
+        old = ray_io.read_manifest(out)
+        if ray_io.shards(out) and not opts.resume:
+            raise JobUsageError(f"output folder {out!r} already has results; pass --resume to continue it, "
+                                "or remove it")
+        if old is not None and opts.resume:
+            for k, v in manifest.items():
+                if old.get(k) != v:
+                    raise JobUsageError(f"--resume: {out!r} holds another job's results ({k} was {old.get(k)!r}, "
+                                        f"now {v!r})")
+    else:
+        try:
+            os.makedirs(out)
+        except OSError as e:
+            raise JobUsageError(f"cannot create the output folder {out!r}: {e.strerror or e}") from e
+    if not os.access(out, os.W_OK):
+        raise JobUsageError(f"cannot write to the output folder {out!r}")
+    if kind == "program":
+        _check_program(program, opts, files, fmt)
+    return files, fmt, manifest
+
+
+def _check_program(program: str | None, opts: JobOptions, files: list[str], fmt: str) -> None:
+    """The local job's program checks (mapping; the compiler's checks traced on the first line)."""
+    from dataclasses import replace
+
+    from deepinfer.jobs.program import load_program, program_signature
+    from deepinfer.jobs.records import check_mapping
+    from deepinfer.jobs.runner import check_program
+
+    if not isinstance(program, str):
+        raise JobUsageError("on Ray the program is given as 'FILE.py:FUNCTION' or 'MODULE:FUNCTION'")
+    function = load_program(program)
+    check_mapping(program_signature(function), opts.mapping, opts.field)
+    if fmt == "jsonl":
+        check_program(function, replace(opts, input=files[0]))
+
+
+def _coordinate(spec: Any, ray_args: dict[str, Any], kind: str, files: list[str], fmt: str, folder: str,
+                run: str, resume: bool, limit: int | None) -> dict[str, Any]:
+    """The pipeline, run as a task on the cluster (see the module docstring)."""
+    import ray
+
+    from deepinfer.jobs.records import check_unique_ids
+    from deepinfer.ray import map_batches_kwargs
+
+    if fmt == "jsonl":  # ids are unique per file (keys: the coordinator's memory, not the driver's)
+        for f in files:
+            check_unique_ids(f, None, "custom_id" if kind == "batch" else "id")
+    done, cut = ray_io.scan_shards(folder, _key_of(kind)) if resume else (set(), 0)
+    if done:
+        spec.done = ray.put(sorted(done))
+    n_done = len(done)
+    del done
+    ds = ray_io.read_input(files, fmt)
+    if limit is not None:
+        ds = ds.limit(limit)
+    sink = ray_io.shard_sink(folder, run)
+    ds.map_batches(**map_batches_kwargs(spec, ray_args)).write_datasink(sink, ray_remote_args={"num_cpus": 0})
+    return {**sink.totals, "skipped": n_done, "truncated": cut}
+
+
+class _ShardTail:
+    """Counts the lines of this run's shards as they grow (the progress line; O(shards) memory)."""
+
+    def __init__(self, folder: str, run: str, ok_of: Callable[[dict[str, Any]], bool]) -> None:
+        self.folder, self.run, self.ok_of = folder, run, ok_of
+        self.offsets: dict[str, int] = {}
+
+    def poll(self, on_line: Callable[[bool], None]) -> None:
+        for path in ray_io.shards(self.folder):
+            if f"part-{self.run}-" not in os.path.basename(path):
+                continue
+            start = self.offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    if f.seek(0, os.SEEK_END) < start:  # a retried write task restarted its shard
+                        start = 0
+                    f.seek(start)
+                    data = f.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1
+            for raw in data[:end].splitlines():
+                try:
+                    on_line(self.ok_of(json.loads(raw)))
+                except ValueError:
+                    on_line(False)
+            self.offsets[path] = start + end
+
+
+def _count_input(files: list[str], fmt: str, limit: int | None) -> int | None:
+    from deepinfer.jobs.records import count_records
+
+    if fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            return None
+        n = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    else:
+        n = sum(count_records(f) for f in files)
+    return min(n, limit) if limit is not None else n
+
+
+def _count_lines(paths: list[str]) -> int:
+    n = 0
+    for p in paths:
+        with open(p, "rb") as f:
+            for raw in f:
+                n += raw.endswith(b"\n")
+    return n
+
+
 def _run(kind: str, program: str | None, opts: JobOptions, model: str | None,
-         engine_options: dict[str, Any] | None, ray_options: RayOptions | None,
-         on_ready: Callable[[RayPool], None] | None = None) -> JobSummary:
-    from deepinfer.jobs.batch_runner import run_batch_job as local_batch, validate_batch_options
-    from deepinfer.jobs.program import load_program
-    from deepinfer.jobs.runner import run_job as local_job, validate_options
+         engine_options: dict[str, Any] | None, ray_options: RayOptions | None) -> JobSummary:
+    from deepinfer.jobs.progress import Progress
+    from deepinfer.jobs.ray_cluster import ClusterStartError, start_local
+    from deepinfer.jobs.ray_worker import StageSpec
+    from deepinfer.ray import _payload, map_batches_kwargs
 
     ray_options = ray_options or RayOptions()
     ray_options.validate()
     ray = require_ray()
-    function = None
-    if kind == "batch":
-        validate_batch_options(opts)
-    else:
-        if not isinstance(program, str):
-            raise JobUsageError("on Ray the program is given as 'FILE.py:FUNCTION' or 'MODULE:FUNCTION' "
-                                "(each replica imports it)")
-        function = load_program(program)
-        validate_options(function, opts)  # before the cluster starts
+    files, fmt, manifest = validate_ray_job(kind, program, opts, model)
+    engine_options = dict(engine_options or {})
+    # Engine's default uses every core; an actor gets its reserved CPUs' worth of threads
+    engine_options.setdefault("num_threads", max(1, int(ray_options.cpus_per_replica)))
+    payload = None
+    if kind == "program":
+        from deepinfer.jobs.program import load_program
+
+        payload = _payload(load_program(program))
+    spec = StageSpec(kind=kind, payload=payload, model=model, engine_options=engine_options, seed=opts.seed,
+                     sampling=dict(opts.sampling), mapping=dict(opts.mapping), field_name=opts.field,
+                     window=opts.batch_size, rows="lines", out="lines", multi_input=len(files) > 1)
+    ray_args = {"concurrency": ray_options.replicas, "batch_size": opts.batch_size,
+                "num_cpus": ray_options.cpus_per_replica, "max_restarts": ray_options.max_restarts}
+    if ray_options.gpus_per_replica:
+        ray_args["num_gpus"] = ray_options.gpus_per_replica
+    map_batches_kwargs(spec, ray_args)  # its argument checks, before the cluster starts
+
+    cluster = None
     started_here = not ray.is_initialized()
+    t = time.monotonic()
     if started_here:
-        t = time.monotonic()
-        init: dict[str, Any] = {"address": ray_options.address, "log_to_driver": True,
-                                "include_dashboard": False}
-        if ray_options.address is None and ray_options.num_cpus is not None:
-            init["num_cpus"] = ray_options.num_cpus
-        ray.init(**init)
-        _log(f"cluster up in {time.monotonic() - t:.1f}s: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
-             f"{ray.cluster_resources().get('GPU', 0):g} GPUs")
-    pool = None
+        address = ray_options.address
+        if address is None:
+            cpus = ray_options.num_cpus or max(1.0, ray_options.replicas * ray_options.cpus_per_replica)
+            cluster = start_local(cpus)
+            address = cluster.address
+            _log(f"local cluster at {address}, process group {cluster.pgid} (ends with this process)")
     try:
-        t = time.monotonic()
-        pool = RayPool(kind, program, opts, model, dict(engine_options or {}), ray_options, _log)
-        _log(f"{ray_options.replicas} replica(s) ready in {time.monotonic() - t:.1f}s, blocks of {pool.block_size}")
-        if on_ready is not None:
-            on_ready(pool)
-        if kind == "batch":
-            summary = local_batch(opts, execute=pool.execute)
-        else:
-            summary = local_job(function, opts, None, execute=pool.execute)
-        _log("records per replica: " + ", ".join(f"r{i} {n}" for i, n in enumerate(pool.per_actor))
-             + f"; {pool.retried_blocks} block(s) retried")
+        if started_here:
+            deadline = time.monotonic() + 120
+            while True:  # the head's port opens before its raylet registers
+                try:
+                    ray.init(address=address, log_to_driver=False)
+                    break
+                except (ConnectionError, RuntimeError) as e:
+                    if isinstance(e.__cause__, ray.exceptions.AuthenticationError):
+                        raise ClusterStartError(f"cannot attach to the Ray cluster at {address}: {e.__cause__}") from e
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
+            res = ray.cluster_resources()
+            _log(f"cluster up in {time.monotonic() - t:.1f}s: {res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs")
+        run = time.strftime("%Y%m%d%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        old = ray_io.read_manifest(opts.output) or {}
+        runs = list(old.get("runs", [])) + [{"run": run, "started": time.time()}]
+        ray_io.write_manifest(opts.output, {**manifest, "runs": runs})
+        already = _count_lines(ray_io.shards(opts.output)) if opts.resume else 0
+        progress = Progress(_count_input(files, fmt, opts.limit), already_done=already,
+                            log_interval=opts.log_interval, enabled=opts.progress, use_bar=opts.progress_bar)
+        ok_of = (lambda d: d.get("error") is None) if kind == "batch" else (lambda d: bool(d.get("ok")))
+        tail = _ShardTail(opts.output, run, ok_of)
+        coordinate = ray.remote(num_cpus=0, max_retries=0)(_coordinate)
+        ref = coordinate.remote(spec, ray_args, kind, files, fmt, opts.output, run, opts.resume, opts.limit)
+        try:
+            while not ray.wait([ref], timeout=min(max(opts.log_interval, 0.2), 2.0))[0]:
+                tail.poll(lambda ok: progress.update(ok, 0))
+            try:
+                totals = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, JobUsageError):
+                    raise e.cause from None
+                raise
+            tail.poll(lambda ok: progress.update(ok, 0))
+        finally:
+            progress.close()
+        if totals["truncated"]:
+            _log(f"removed a half-written last line ({totals['truncated']} bytes); its record was redone")
+        summary = JobSummary(processed=totals["written"], failed=totals["failed"], skipped=totals["skipped"],
+                             tokens=totals["tokens"], elapsed_s=progress.elapsed(),
+                             truncated_bytes=totals["truncated"])
+        runs[-1].update(finished=time.time(), written=summary.processed, failed=summary.failed,
+                        skipped=summary.skipped)
+        ray_io.write_manifest(opts.output, {**manifest, "runs": runs})
+        _log(f"{summary.processed} records in {len(ray_io.shards(opts.output))} shard(s) under {opts.output}")
         return summary
     finally:
-        if pool is not None:
-            pool.shutdown()
         if started_here:
             ray.shutdown()
+        if cluster is not None:
+            cluster.stop()
 
 
 def run_job(program: str, opts: JobOptions, model: str | None = None, engine_options: dict[str, Any] | None = None,
-            ray_options: RayOptions | None = None, on_ready: Callable[[RayPool], None] | None = None) -> JobSummary:
+            ray_options: RayOptions | None = None) -> JobSummary:
     """`deepinfer run --ray`: `program` ('FILE.py:FUNCTION' or 'MODULE:FUNCTION') over `opts.input`
-    on `ray_options.replicas` engine actors (each `Engine(model, **engine_options)`). Uses the
-    running Ray session if there is one, else `ray.init(address)` (and shuts it down after).
-    `on_ready(pool)` is called once the replicas are up (monitoring; the tests kill an actor)."""
-    return _run("program", program, opts, model, engine_options, ray_options, on_ready)
+    (a JSON-lines or Parquet path, glob or folder) into the folder `opts.output`, on
+    `ray_options.replicas` engine actors (each `Engine(model, **engine_options)`). Uses the running
+    Ray session if there is one, else `ray_options.address`, else a local cluster of its own."""
+    return _run("program", program, opts, model, engine_options, ray_options)
 
 
 def run_batch_job(opts: JobOptions, model: str | None = None, engine_options: dict[str, Any] | None = None,
-                  ray_options: RayOptions | None = None, on_ready: Callable[[RayPool], None] | None = None
-                  ) -> JobSummary:
+                  ray_options: RayOptions | None = None) -> JobSummary:
     """`deepinfer run-batch --ray`: an OpenAI batch file on engine actors (see run_job)."""
-    return _run("batch", None, opts, model, engine_options, ray_options, on_ready)
+    return _run("batch", None, opts, model, engine_options, ray_options)
