@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from deepinfer.jobs import ray_io
 from deepinfer.jobs.errors import JobUsageError
-from deepinfer.jobs.runner import JobOptions
+from deepinfer.jobs.runner import JobOptions, check_batch_options
 from deepinfer.jobs.stream import JobSummary
 from deepinfer.ray import require_ray
 
@@ -89,8 +89,6 @@ def validate_ray_job(kind: str, program: str | None, opts: JobOptions, model: st
                      ) -> tuple[list[str], str, dict[str, Any]]:
     """Every check that needs neither the cluster nor the model; returns (input files, their
     format, the manifest this job writes). Raises JobUsageError naming the problem."""
-    from deepinfer.engine.sampling_params import SamplingParams
-
     files = ray_io.expand_inputs(opts.input)
     fmt = ray_io.input_format(files)
     if kind == "batch" and fmt != "jsonl":
@@ -102,14 +100,7 @@ def validate_ray_job(kind: str, program: str | None, opts: JobOptions, model: st
         raise JobUsageError(f"the output folder {out!r} holds input files; pick another one")
     if opts.ordered:
         raise JobUsageError("--ordered is not supported with --ray (shards are written as batches finish)")
-    if not isinstance(opts.batch_size, int) or opts.batch_size < 1:
-        raise JobUsageError(f"--batch-size must be an int >= 1, got {opts.batch_size!r}")
-    if opts.limit is not None and opts.limit < 0:
-        raise JobUsageError(f"--limit must be >= 0, got {opts.limit}")
-    try:
-        SamplingParams(**opts.sampling)
-    except Exception as e:
-        raise JobUsageError(str(e)) from e
+    check_batch_options(opts)
     manifest = _manifest(kind, program, files, fmt, opts, model)
     if os.path.isdir(out):
         old = ray_io.read_manifest(out)

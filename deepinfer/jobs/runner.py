@@ -64,6 +64,11 @@ def check_job_options(opts: JobOptions) -> None:
             f"output file {opts.output!r} already has results; pass --resume to continue it, or remove it"
         )
     _check_output_writable(opts.output)
+    check_batch_options(opts)
+
+
+def check_batch_options(opts: JobOptions) -> None:
+    """The options every job checks alike, local or on Ray: batch size, limit, sampling fields."""
     if not isinstance(opts.batch_size, int) or opts.batch_size < 1:
         raise JobUsageError(f"--batch-size must be an int >= 1, got {opts.batch_size!r}")
     if opts.limit is not None and opts.limit < 0:
